@@ -1,0 +1,434 @@
+"""
+grpo.py -- Group Relative Policy Optimization in one file.
+
+What this is
+    The whole GRPO algorithm from DeepSeekMath (Shao et al. 2024, arXiv 2402.03300,
+    §4.1 and Algorithm 1), for any Hugging Face causal LM and tokenizer, on one device.
+    It is meant to be read next to the paper: each equation sits above the line
+    that computes it, and a test in tests/test_grpo.py pins it with hand-worked numbers.
+
+The objective it maximises (outcome supervision, §4.1.1-4.1.2, eq. 3)
+    J(θ) = E[ 1/G Σ_i 1/|o_i| Σ_t { min( r_it(θ) A_i , clip(r_it(θ), 1-ε, 1+ε) A_i ) - β D_KL[π_θ || π_ref] } ]
+      r_it(θ) = π_θ(o_it | q, o_i<t) / π_old(o_it | q, o_i<t)         (a probability RATIO, not a reward)
+      A_i     = (r_i - mean(r)) / std(r)                                (r_i is the REWARD of completion i)
+      D_KL    ≈ π_ref/π_θ - log(π_ref/π_θ) - 1                          (k3 estimator, eq. 4)
+    We minimise loss = -J.
+
+How to run it
+    python -m pytest tests/test_grpo.py -q       # every equation, pinned
+    python -m pytest tests/test_learning.py -q   # a tiny random model learns a rewarded behaviour
+
+What it leaves out, on purpose
+    - the critic (that is the point of GRPO: the group mean is the baseline);
+    - multi-GPU, vLLM, DeepSpeed (see README, "Past one GPU");
+    - the paper's iterative reward-model retraining and reference resets (Algorithm 1, outer loop);
+    - process supervision (§4.1.3) -- outcome supervision only, for now.
+
+Tensor dimensions used in shape comments
+    B  prompts per step          G  completions per prompt (group_size)
+    N  = B*G sequences           P  prompt tokens (left-padded)
+    T  completion tokens          V  vocabulary size
+
+The steps below, in order
+    0. GRPOConfig                  every knob, with the paper's defaults
+    1. sample_completions          G completions per prompt from π_old (= π_θ before this step's update)
+    2. compute_rewards             weighted rule-based reward functions, TRL signature
+    3. group_advantages            A_i = (r_i - mean) / (std + eps) within each group
+    4. token_logprobs              log π(o_it) via gather + logsumexp, for π_θ, π_old, π_ref
+    5-7. grpo_loss                 ratio + clip (5), k3 KL (6), aggregation over tokens (7)
+    8. grpo_step                   one full GRPO step: 1-7, then μ optimizer updates
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+
+# ----------------------------------------------------------------------------------------------
+# 0. Configuration
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class GRPOConfig:
+    """Every knob of one GRPO step. Defaults follow the paper (§4.2, "Training Setting") unless tagged."""
+
+    group_size: int = 8
+    """G, completions sampled per prompt. PAPER: 64; our default 8 fits one small GPU or a CPU."""
+    beta: float = 0.04
+    """β, weight of the KL penalty to the frozen reference model. PAPER: 0.04. 0 removes the reference model."""
+    clip_eps: float = 0.2
+    """ε, PPO clip range: the ratio is clipped to [1-ε, 1+ε_high]. PPO's usual 0.2 (the paper does not print its ε)."""
+    clip_eps_high: float | None = None
+    """ε_high, upper clip; None means ε_high = ε. DAPO's clip-higher (arXiv 2503.14476) uses 0.28."""
+    num_iterations: int = 1
+    """μ, policy updates per batch of samples (Algorithm 1). PAPER: 1 (a single update per exploration stage)."""
+    loss_type: str = "grpo"
+    """How per-token losses are averaged: 'grpo' (paper: 1/G Σ_i 1/|o_i| Σ_t), 'token' (DAPO), 'dr_grpo' (Dr. GRPO)."""
+    scale_rewards: bool = True
+    """Divide centred rewards by the group std (paper). False = mean-centring only (Dr. GRPO, arXiv 2503.20783)."""
+    adv_eps: float = 1e-4
+    """ε added to the group std before dividing. Our choice, same as TRL: keeps A finite when the std is tiny."""
+    temperature: float = 1.0
+    """Sampling temperature; the loss uses log-probs at the same temperature. Our choice: 1.0, the true policy."""
+    max_new_tokens: int = 256
+    """Cap on completion length T. PAPER: 1024. Completions that hit it count in completions/clipped_ratio."""
+    min_new_tokens: int = 0
+    """Force at least this many new tokens (0 = off). Only for benchmarks that need equal-length work."""
+    lr: float = 1e-6
+    """AdamW learning rate. PAPER: 1e-6 for a 7B model; tiny models want far larger (see train_gsm8k.py presets)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay. Our choice: 0, so the only pull toward the start is the KL term."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this. Our choice, standard for LM fine-tuning (TRL default 1.0)."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward pass. Smaller uses less memory; the gradient is the same (tested)."""
+    reward_weights: list[float] | None = None
+    """One weight per reward function; None means all 1.0. The total reward is the weighted sum."""
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Sample a group of G completions per prompt
+# ----------------------------------------------------------------------------------------------
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """All token ids that end a completion: the model's generation_config eos ids, else the tokenizer's."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        # NOTE: a freshly initialised model's generation_config has no eos/pad/bos ids; use the tokenizer's.
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("neither the model's generation_config nor the tokenizer defines an eos_token_id")
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def completion_mask_from_ids(completion_ids: torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:
+    """1 for every completion token up to and including the first EOS, 0 after it. Shape (N, T) -> (N, T)."""
+    N, T = completion_ids.shape
+    is_eos = torch.isin(completion_ids, torch.tensor(list(eos_ids), device=completion_ids.device))  # (N, T)
+    # WHY: a sequence with no EOS hit the length cap; all T of its tokens count.
+    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), T)                               # (N,)
+    positions = torch.arange(T, device=completion_ids.device)                                       # (T,)
+    # NOTE: the EOS itself is kept in the mask, so the model is credited (or blamed) for stopping.
+    return (positions[None, :] <= first_eos[:, None]).long()                                        # (N, T)
+
+
+@torch.no_grad()
+def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig) -> dict:
+    """Sample G completions for each of B prompt strings. Returns a dict of tensors (rows grouped by prompt)."""
+    G = cfg.group_size
+    device = next(model.parameters()).device
+    # WHY: left padding puts every prompt's last token at the same column, so generation starts together.
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    prompt_ids = enc["input_ids"].repeat_interleave(G, 0).to(device)             # (N, P)  group i = rows iG..iG+G-1
+    prompt_mask = enc["attention_mask"].repeat_interleave(G, 0).to(device)       # (N, P)
+    eos_ids = eos_token_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+
+    was_training = model.training
+    model.eval()  # WHY: with gradient checkpointing, train mode turns the KV cache off and generation crawls.
+    out = model.generate(
+        input_ids=prompt_ids, attention_mask=prompt_mask,
+        do_sample=True, temperature=cfg.temperature,
+        # NOTE: transformers otherwise applies top_k=50 from its defaults; the samples must come from
+        # exactly the distribution whose log-probs the loss uses, so switch every truncation off.
+        top_k=0, top_p=1.0,
+        max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
+        eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True,
+    )                                                                            # (N, P+T)
+    model.train(was_training)
+
+    completion_ids = out[:, prompt_ids.shape[1]:]                                # (N, T)
+    completion_mask = completion_mask_from_ids(completion_ids, eos_ids)          # (N, T)
+    # WHY: pads after EOS may equal a real token id; zero them out of the way with the mask, not by id.
+    texts = tokenizer.batch_decode(completion_ids * completion_mask + pad_id * (1 - completion_mask),
+                                   skip_special_tokens=True)
+    # A completion with no EOS at all stopped because it hit max_new_tokens.
+    truncated = ~torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)  # (N,) bool
+    return dict(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+                completion_mask=completion_mask, completions=texts, truncated=truncated)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Score each completion with rule-based reward functions
+# ----------------------------------------------------------------------------------------------
+RewardFn = Callable[..., list]
+
+
+def reward_name(fn) -> str:
+    """The name a reward function is logged under: rewards/<name>."""
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def compute_rewards(reward_funcs: Sequence[RewardFn], prompts: list[str], completions: list[str],
+                    columns: dict | None = None, weights: Sequence[float] | None = None):
+    """r_i = Σ_k w_k f_k(prompt_i, completion_i). Each f has TRL's signature f(prompts, completions, **columns).
+
+    `prompts`, `completions` and each column hold N entries (already repeated G times per prompt).
+    Returns (rewards (N,) float32, {name: mean of that function's raw reward}).
+    """
+    N = len(completions)
+    weights = [1.0] * len(reward_funcs) if weights is None else list(weights)
+    if len(weights) != len(reward_funcs):
+        raise ValueError(f"got {len(weights)} reward weights for {len(reward_funcs)} reward functions")
+    per_fn = torch.zeros(len(reward_funcs), N)                                   # (K, N)
+    for k, fn in enumerate(reward_funcs):
+        values = fn(prompts=prompts, completions=completions, **(columns or {}))
+        if values is None or len(values) != N:
+            got = "None" if values is None else f"{len(values)} values"
+            raise ValueError(f"reward function {reward_name(fn)!r} returned {got} for {N} completions")
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"reward function {reward_name(fn)!r} returned {v!r}; expected a number")
+        per_fn[k] = torch.tensor(values, dtype=torch.float32)
+    rewards = (torch.tensor(weights, dtype=torch.float32)[:, None] * per_fn).sum(0)   # (N,)
+    return rewards, {reward_name(fn): per_fn[k].mean().item() for k, fn in enumerate(reward_funcs)}
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Group-relative advantages: the group mean replaces PPO's learned critic
+# ----------------------------------------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: bool = True,
+                     eps: float = 1e-4) -> torch.Tensor:
+    """Standardise each reward within its group of G. rewards: (N,), each group's G entries contiguous -> (N,)."""
+    if rewards.dim() != 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"rewards must be 1-D with a length divisible by group_size={group_size}, "
+                         f"got shape {tuple(rewards.shape)}")
+    if group_size < 2:
+        raise ValueError(f"group_size must be at least 2 to have a group baseline, got {group_size}")
+    grouped = rewards.view(-1, group_size).float()                               # (B, G)
+    mean = grouped.mean(dim=1, keepdim=True)                                     # (B, 1)
+    # PAPER: Â_i,t = r̃_i = (r_i - mean(r)) / std(r)                              (§4.1.2, outcome supervision)
+    centred = grouped - mean                                                     # (B, G)
+    if not scale_rewards:
+        # DEVIATION (opt-in): Dr. GRPO drops the std, which up-weights groups with low reward spread less.
+        return centred.view(-1)                                                  # (N,)
+    # NOTE: std is the SAMPLE std (Bessel, divide by G-1), as torch.std and TRL use; the paper does not say.
+    # NOTE: eps goes OUTSIDE the sqrt, added to std. A group whose rewards are all equal has centred == 0
+    #       exactly, so its advantage is 0/(0+eps) = 0, never NaN: such a group carries no learning signal.
+    std = grouped.std(dim=1, keepdim=True)                                       # (B, 1)
+    return (centred / (std + eps)).view(-1)                                      # (N,)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Per-token log-probabilities of the completion tokens
+# ----------------------------------------------------------------------------------------------
+def _accepts_logits_to_keep(model) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                   temperature: float = 1.0, with_entropy: bool = False):
+    """log π(o_t | q, o_<t) for each completion token. Inputs (n, P) and (n, T) -> logp (n, T) [, entropy (n, T)].
+
+    Runs with gradients if the caller has them enabled; wrap in torch.no_grad() for π_old and π_ref.
+    """
+    T = completion_ids.shape[1]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)                   # (n, P+T)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)            # (n, P+T)
+    # WHY: generate() numbers positions from the first real token of a left-padded prompt; do the same,
+    #      or models with absolute position embeddings would score a different sequence than was sampled.
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)                   # (n, P+T)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    if _accepts_logits_to_keep(model):
+        kwargs["logits_to_keep"] = T + 1  # WHY (memory): skip the prompt's (n, P, V) logits entirely.
+    logits = model(**kwargs).logits[:, -(T + 1):-1, :]                           # (n, T, V)  position t predicts o_t
+    logits = logits.float() / temperature                                        # (n, T, V)
+    # log softmax(l)[o] = l[o] - logsumexp(l). WHY (memory): never materialise a second (n, T, V) log_softmax.
+    chosen = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)         # (n, T)
+    logp = chosen - torch.logsumexp(logits, dim=-1)                              # (n, T)
+    if not with_entropy:
+        return logp
+    with torch.no_grad():
+        # H = -Σ_v p_v log p_v = logsumexp(l) - Σ_v p_v l_v
+        probs = torch.softmax(logits, dim=-1)                                    # (n, T, V)
+        entropy = torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)     # (n, T)
+    return logp, entropy
+
+
+# ----------------------------------------------------------------------------------------------
+# 5-7. The GRPO loss: clipped ratio (5), k3 KL (6), aggregation (7)
+# ----------------------------------------------------------------------------------------------
+LOSS_TYPES = ("grpo", "token", "dr_grpo")
+
+
+def grpo_loss(logp, logp_old, logp_ref, advantages, completion_mask, *, clip_eps=0.2, clip_eps_high=None,
+              beta=0.04, loss_type="grpo", max_completion_length=None):
+    """loss = -J(θ) for one batch. logp, logp_old, logp_ref, completion_mask: (N, T); advantages: (N,).
+
+    Returns (scalar loss tensor, stats dict of floats: kl, clip_ratio/low, clip_ratio/high, clip_ratio/region).
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if beta != 0 and logp_ref is None:
+        raise ValueError("logp_ref is required when beta != 0")
+    clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    mask = completion_mask.to(logp.dtype)                                        # (N, T)
+    A = advantages.to(logp.dtype)[:, None]                                       # (N, 1) one advantage per sequence
+
+    # 5. PAPER: r_it(θ) = π_θ(o_it|q,o_i<t) / π_old(o_it|q,o_i<t), computed as exp of a log difference
+    # NOTE: with μ = 1, logp_old is logp.detach(): the ratio is exactly 1 in value, yet its gradient is
+    #       ∇ratio = ratio·∇logp = ∇logp. So the printed policy loss is ~0 (advantages are zero-mean in each
+    #       group) while the gradient is the REINFORCE-with-group-baseline gradient. Nothing is broken.
+    ratio = torch.exp(logp - logp_old)                                           # (N, T)
+    # PAPER: min( r·A , clip(r, 1-ε, 1+ε)·A )                                  (eq. 3; ε_high from DAPO)
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)                # (N, T)
+    surrogate = torch.min(ratio * A, clipped * A)                                # (N, T)
+
+    # 6. PAPER: D_KL[π_θ||π_ref] = π_ref/π_θ - log(π_ref/π_θ) - 1               (eq. 4, Schulman's k3)
+    # NOTE: k3 is an unbiased, always ≥ 0 estimate of the REVERSE KL(π_θ || π_ref) from tokens sampled
+    #       from π_θ (here: from π_old, equal to π_θ when μ = 1). It is added to the loss, not to the reward.
+    if beta != 0:
+        log_ref_ratio = logp_ref - logp                                          # (N, T)  log(π_ref/π_θ)
+        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1                        # (N, T)
+        per_token = -(surrogate - beta * kl)                                     # (N, T)
+    else:
+        kl = torch.zeros_like(logp)                                              # (N, T)
+        per_token = -surrogate                                                   # (N, T)
+
+    # 7. Aggregate the per-token losses.
+    # NOTE: per-sequence vs per-token averaging. 'grpo' gives every completion equal weight, so each token
+    #       of a long completion weighs less than a token of a short one (a length bias, see Dr. GRPO).
+    #       'token' gives every token equal weight across the batch. They differ whenever lengths differ.
+    lengths = mask.sum(1).clamp(min=1)                                           # (N,)
+    if loss_type == "grpo":
+        # PAPER: 1/G Σ_i 1/|o_i| Σ_t                                            (eq. 3)
+        loss = ((per_token * mask).sum(1) / lengths).mean()
+    elif loss_type == "token":
+        # DAPO (arXiv 2503.14476): Σ_i Σ_t / Σ_i |o_i|
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
+    else:
+        # Dr. GRPO (arXiv 2503.20783): Σ_i Σ_t / (N · L_max), a constant normaliser with no length bias
+        L = max_completion_length if max_completion_length is not None else mask.shape[1]
+        loss = (per_token * mask).sum() / (mask.shape[0] * L)
+
+    with torch.no_grad():
+        n_tok = mask.sum().clamp(min=1)
+        low = ((ratio < 1 - clip_eps) & (A < 0)).to(mask.dtype)                 # (N, T) clipping binds below
+        high = ((ratio > 1 + clip_eps_high) & (A > 0)).to(mask.dtype)           # (N, T) clipping binds above
+        stats = {
+            "kl": ((kl * mask).sum() / n_tok).item(),
+            "clip_ratio/low": ((low * mask).sum() / n_tok).item(),
+            "clip_ratio/high": ((high * mask).sum() / n_tok).item(),
+            "clip_ratio/region": (((low + high) * mask).sum() / n_tok).item(),
+        }
+    return loss, stats
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. One GRPO step
+# ----------------------------------------------------------------------------------------------
+def make_reference(policy):
+    """A frozen copy of the policy: π_ref. PAPER: the reference is the initial (SFT) model."""
+    ref = copy.deepcopy(policy).eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+def make_optimizer(policy, cfg: GRPOConfig):
+    """AdamW over the trainable parameters. PAPER: AdamW (DeepSeekMath §4.2 uses lr 1e-6)."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def micro_batch_weights(completion_mask: torch.Tensor, slices: list[slice], loss_type: str) -> list[float]:
+    """Weight of each micro-batch's mean loss so that the weighted sum equals the full-batch loss.
+
+    'grpo' and 'dr_grpo' average over sequences, so a micro-batch weighs n_mb / N;
+    'token' averages over tokens, so it weighs tokens_mb / tokens_total.
+    """
+    if loss_type == "token":
+        total = completion_mask.sum().clamp(min=1).item()
+        return [completion_mask[s].sum().item() / total for s in slices]
+    N = completion_mask.shape[0]
+    return [(s.stop - s.start) / N for s in slices]
+
+
+def grpo_step(policy, ref_model, optimizer, tokenizer, prompts: list[str], reward_funcs: Sequence[RewardFn],
+              cfg: GRPOConfig, columns: dict | None = None) -> dict:
+    """One GRPO step on B prompts: sample, score, standardise, then μ clipped-ratio updates. Returns metrics.
+
+    `columns` holds extra per-prompt data for the reward functions (e.g. {"answer": [...]}, B entries each).
+    """
+    t0 = time.perf_counter()
+    G, mu = cfg.group_size, cfg.num_iterations
+    if cfg.beta != 0 and ref_model is None:
+        raise ValueError("beta != 0 needs a reference model (make_reference(policy))")
+
+    # 1. Sample G completions per prompt from the current policy, which is π_old for this step.
+    batch = sample_completions(policy, tokenizer, prompts, cfg)
+    completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]    # (N, T), (N, T)
+    N, T = completion_ids.shape
+    assert N == len(prompts) * G and batch["prompt_ids"].shape[0] == N
+
+    # 2. Score. Every per-prompt column is repeated G times so row n of every list belongs together.
+    rep_prompts = [p for p in prompts for _ in range(G)]
+    rep_columns = {k: [v for v in vals for _ in range(G)] for k, vals in (columns or {}).items()}
+    rewards, reward_means = compute_rewards(reward_funcs, rep_prompts, batch["completions"], rep_columns,
+                                            cfg.reward_weights)                                   # (N,)
+
+    # 3. Advantages, one per sequence, shared by all its tokens (outcome supervision).
+    advantages = group_advantages(rewards, G, cfg.scale_rewards, cfg.adv_eps).to(completion_ids.device)  # (N,)
+
+    # 4. Log-probs that do not change during the update: π_old (only needed when μ > 1) and π_ref.
+    slices = [slice(i, min(i + cfg.micro_batch_size, N)) for i in range(0, N, cfg.micro_batch_size)]
+    args = lambda s: (batch["prompt_ids"][s], batch["prompt_mask"][s], completion_ids[s], completion_mask[s])
+    with torch.no_grad():
+        # NOTE: with μ = 1 we skip this forward pass: π_old = π_θ, so logp_old = logp.detach() below.
+        logp_old = (torch.cat([token_logprobs(policy, *args(s), cfg.temperature) for s in slices])
+                    if mu > 1 else None)                                                          # (N, T)
+        logp_ref = (torch.cat([token_logprobs(ref_model, *args(s), cfg.temperature) for s in slices])
+                    if cfg.beta != 0 else None)                                                   # (N, T)
+
+    # 5-8. μ updates on this same batch (Algorithm 1, inner loop), each one optimizer step.
+    weights = micro_batch_weights(completion_mask, slices, cfg.loss_type)
+    tok_share = [completion_mask[s].sum().item() / max(1, completion_mask.sum().item()) for s in slices]
+    sums = {"loss": 0.0, "kl": 0.0, "clip_ratio/low": 0.0, "clip_ratio/high": 0.0, "clip_ratio/region": 0.0}
+    entropy_sum, grad_norm, skipped = 0.0, 0.0, 0
+    for it in range(mu):
+        optimizer.zero_grad(set_to_none=True)
+        for s, w, share in zip(slices, weights, tok_share):
+            logp, entropy = token_logprobs(policy, *args(s), cfg.temperature, with_entropy=True)   # (n, T), (n, T)
+            old = logp.detach() if logp_old is None else logp_old[s]                               # (n, T)
+            ref = None if logp_ref is None else logp_ref[s]                                        # (n, T)
+            loss, stats = grpo_loss(logp, old, ref, advantages[s], completion_mask[s],
+                                    clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, beta=cfg.beta,
+                                    loss_type=cfg.loss_type, max_completion_length=cfg.max_new_tokens)
+            # WHY: weighting each micro-batch makes the summed gradient equal the full-batch gradient.
+            (loss * w).backward()
+            sums["loss"] += loss.item() * w / mu
+            for k in ("kl", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region"):
+                sums[k] += stats[k] * share / mu
+            if it == 0:
+                m = completion_mask[s].float()
+                entropy_sum += (entropy * m).sum().item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm).item()
+        if math.isfinite(grad_norm):
+            optimizer.step()
+        else:
+            # WHY: one non-finite gradient would poison every weight through Adam's moments; skip the update.
+            skipped += 1
+        optimizer.zero_grad(set_to_none=True)
+
+    # Metrics, named as TRL names them where TRL has a name.
+    grouped = rewards.view(-1, G)                                                                 # (B, G)
+    group_std = grouped.std(dim=1)                                                                # (B,)
+    lengths = completion_mask.sum(1).float()                                                      # (N,)
+    metrics = {
+        "reward": rewards.mean().item(),
+        "reward_std": group_std.mean().item(),
+        **{f"rewards/{name}": v for name, v in reward_means.items()},
+        "frac_reward_zero_std": (group_std < 1e-8).float().mean().item(),
+        **sums,
+        "entropy": entropy_sum / max(1.0, completion_mask.sum().item()),
+        "completions/mean_length": lengths.mean().item(),
+        "completions/clipped_ratio": batch["truncated"].float().mean().item(),
+        "grad_norm": grad_norm,
+        "skipped_updates": skipped,
+        "step_time": time.perf_counter() - t0,
+    }
+    return metrics
