@@ -329,6 +329,22 @@ def make_reference(policy):
     return ref
 
 
+def disable_dropout(model):
+    """Set every dropout probability in `model` to 0, in place.
+
+    WHY: with dropout on, π_θ in the ratio is a different random function from the π_old that sampled,
+    so the ratio is not 1 at μ = 1 and the KL is noisy. TRL does the same. (Llama/Qwen configs already
+    use 0; GPT-2 uses 0.1.) We disable it rather than call .eval(), because gradient checkpointing in
+    transformers only runs in train mode.
+    """
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
+    return model
+
+
 def make_optimizer(policy, cfg: GRPOConfig):
     """AdamW over the trainable parameters. PAPER: AdamW (DeepSeekMath §4.2 uses lr 1e-6)."""
     params = [p for p in policy.parameters() if p.requires_grad]

@@ -1,0 +1,397 @@
+"""Pins every equation in grpo.py with hand-worked numbers, and checks fast code against slow, obvious code.
+
+Needs: torch and transformers only (the model is a tiny random Llama built in memory). CPU, offline, ~15 s.
+"""
+
+import math
+import statistics
+
+import pytest
+import torch
+
+import grpo
+import tiny_world
+
+LN2 = math.log(2.0)
+
+
+# --- 3. group advantages --------------------------------------------------------------------------
+def test_advantages_hand_worked():
+    """rewards [1, 0, 0, 1]: mean 0.5; sample std = sqrt(4 * 0.25 / 3) = 0.57735;
+    A = ±0.5 / (0.57735 + 1e-4) = ±0.86588."""
+    A = grpo.group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), group_size=4)
+    assert A.tolist() == pytest.approx([0.86588, -0.86588, -0.86588, 0.86588], abs=1e-5)
+
+
+def test_advantages_equal_rewards_are_zero_not_nan():
+    """All-equal groups: centred rewards are exactly 0, std is 0, so A = 0 / (0 + 1e-4) = 0."""
+    A = grpo.group_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.3, 0.3, 0.3]), group_size=3)
+    assert torch.isfinite(A).all()
+    assert A.tolist() == [0.0] * 9
+
+
+def test_advantages_without_std_scaling_is_mean_centring():
+    """Dr. GRPO: [1, 0, 0, 1] and [2, 0, 0, 0] -> minus their means 0.5 and 0.5."""
+    A = grpo.group_advantages(torch.tensor([1.0, 0, 0, 1, 2, 0, 0, 0]), group_size=4, scale_rewards=False)
+    assert A.tolist() == [0.5, -0.5, -0.5, 0.5, 1.5, -0.5, -0.5, -0.5]
+
+
+def test_advantages_match_a_slow_loop():
+    """Vectorised group statistics equal a plain Python loop with statistics.stdev (Bessel-corrected)."""
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(6 * 5, generator=g).round(decimals=1)
+    fast = grpo.group_advantages(rewards, group_size=5, eps=1e-4)
+    slow = []
+    for b in range(6):
+        group = rewards[b * 5:(b + 1) * 5].tolist()
+        mean, std = statistics.mean(group), statistics.stdev(group)
+        slow += [(r - mean) / (std + 1e-4) for r in group]
+    assert fast.tolist() == pytest.approx(slow, abs=1e-5)
+
+
+def test_advantages_reject_bad_shapes():
+    with pytest.raises(ValueError, match="divisible by group_size=4"):
+        grpo.group_advantages(torch.zeros(6), group_size=4)
+    with pytest.raises(ValueError, match="at least 2"):
+        grpo.group_advantages(torch.zeros(6), group_size=1)
+
+
+# --- 5. ratio and clip ------------------------------------------------------------------------------
+def one_token_loss(ratio, A, **kw):
+    """grpo_loss on a single token whose ratio π_θ/π_old is `ratio`; returns (loss, d loss / d logp, stats)."""
+    logp = torch.tensor([[math.log(ratio)]], requires_grad=True)
+    loss, stats = grpo.grpo_loss(logp, torch.zeros(1, 1), None, torch.tensor([float(A)]), torch.ones(1, 1),
+                                 beta=0.0, **kw)
+    loss.backward()
+    return loss.item(), logp.grad.item(), stats
+
+
+def test_clip_binds_above_with_positive_advantage():
+    """ratio 1.3, ε = 0.2, A = +1: min(1.3·1, clip(1.3, 0.8, 1.2)·1) = 1.2, so loss = -1.2,
+    and the clipped branch is constant in θ: no gradient."""
+    loss, grad, stats = one_token_loss(1.3, +1, clip_eps=0.2)
+    assert loss == pytest.approx(-1.2, abs=1e-6)
+    assert grad == 0.0
+    assert stats["clip_ratio/high"] == 1.0 and stats["clip_ratio/low"] == 0.0
+
+
+def test_clip_does_not_bind_when_it_would_help():
+    """ratio 1.3, A = -1: min(-1.3, -1.2) = -1.3 is the unclipped branch: loss = 1.3,
+    d loss/d logp = -A · ratio = 1.3. (The pessimistic bound keeps the worse of the two.)"""
+    loss, grad, stats = one_token_loss(1.3, -1, clip_eps=0.2)
+    assert loss == pytest.approx(1.3, abs=1e-6)
+    assert grad == pytest.approx(1.3, abs=1e-6)
+    assert stats["clip_ratio/region"] == 0.0
+
+
+def test_clip_binds_below_with_negative_advantage():
+    """ratio 0.7, A = -1: min(-0.7, clip(0.7)=0.8 · -1 = -0.8) = -0.8, loss = 0.8, no gradient."""
+    loss, grad, stats = one_token_loss(0.7, -1, clip_eps=0.2)
+    assert loss == pytest.approx(0.8, abs=1e-6)
+    assert grad == 0.0
+    assert stats["clip_ratio/low"] == 1.0
+
+
+def test_clip_eps_high():
+    """ratio 1.25, A = +1. With ε_high = ε = 0.2 it is clipped to 1.2 (no gradient);
+    with DAPO's ε_high = 0.28 the bound is 1.28, so 1.25 passes: loss = -1.25, gradient -1.25."""
+    loss, grad, _ = one_token_loss(1.25, +1, clip_eps=0.2)
+    assert (loss, grad) == (pytest.approx(-1.2, abs=1e-6), 0.0)
+    loss, grad, _ = one_token_loss(1.25, +1, clip_eps=0.2, clip_eps_high=0.28)
+    assert loss == pytest.approx(-1.25, abs=1e-6) and grad == pytest.approx(-1.25, abs=1e-6)
+    # the lower bound stays at 1 - ε: ratio 0.75 with A = -1 is clipped to 0.8
+    loss, grad, _ = one_token_loss(0.75, -1, clip_eps=0.2, clip_eps_high=0.28)
+    assert (loss, grad) == (pytest.approx(0.8, abs=1e-6), 0.0)
+
+
+# --- 6. k3 KL ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("log_ref_ratio, expected", [(LN2, 2 - LN2 - 1), (-LN2, 0.5 + LN2 - 1), (0.0, 0.0)])
+def test_k3_kl_hand_worked(log_ref_ratio, expected):
+    """k3 = π_ref/π_θ - log(π_ref/π_θ) - 1. At log-ratio ln 2: 2 - 0.6931 - 1 = 0.3069;
+    at -ln 2: 0.5 + 0.6931 - 1 = 0.1931; at 0: 0. With A = 0 and β = 1 the loss is exactly β·k3."""
+    logp = torch.zeros(1, 1)
+    loss, stats = grpo.grpo_loss(logp, logp, logp + log_ref_ratio, torch.zeros(1), torch.ones(1, 1), beta=1.0)
+    assert stats["kl"] == pytest.approx(expected, abs=1e-6)
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert round(expected, 4) in (0.3069, 0.1931, 0.0)
+
+
+def test_kl_gradient_pulls_toward_reference():
+    """d k3 / d logp = -exp(logp_ref - logp) + 1. At logp_ref - logp = ln 2 that is -1: raising logp
+    toward logp_ref lowers the loss, so gradient descent moves π_θ toward π_ref."""
+    logp = torch.zeros(1, 1, requires_grad=True)
+    loss, _ = grpo.grpo_loss(logp, logp.detach(), torch.full((1, 1), LN2), torch.zeros(1), torch.ones(1, 1),
+                             beta=0.5)
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(0.5 * -1.0, abs=1e-6)
+
+
+def test_beta_zero_needs_no_reference_and_beta_nonzero_does():
+    logp = torch.zeros(2, 3)
+    loss, stats = grpo.grpo_loss(logp, logp, None, torch.tensor([1.0, -1.0]), torch.ones(2, 3), beta=0.0)
+    assert stats["kl"] == 0.0
+    with pytest.raises(ValueError, match="logp_ref is required"):
+        grpo.grpo_loss(logp, logp, None, torch.tensor([1.0, -1.0]), torch.ones(2, 3), beta=0.04)
+
+
+# --- 7. aggregation ---------------------------------------------------------------------------------
+LENGTHS_1_AND_3 = dict(
+    logp=torch.zeros(2, 4), logp_old=torch.zeros(2, 4), logp_ref=None,
+    advantages=torch.tensor([1.0, -1.0]),
+    completion_mask=torch.tensor([[1, 0, 0, 0], [1, 1, 1, 0]]),
+)
+
+
+@pytest.mark.parametrize("loss_type, expected_loss, expected_grads", [
+    # per-token losses: sequence 1 (length 1, A=+1) has -1; sequence 2 (length 3, A=-1) has +1 per token.
+    # 'grpo':    ( -1/1 + 3/3 ) / 2 = 0;      d/dlogp: seq1 -1/(1·2) = -0.5, seq2 +1/(3·2) = +0.1667
+    ("grpo", 0.0, [-0.5, 1 / 6]),
+    # 'token':   ( -1 + 3 ) / 4 tokens = 0.5; d/dlogp: -1/4 and +1/4
+    ("token", 0.5, [-0.25, 0.25]),
+    # 'dr_grpo': ( -1 + 3 ) / (2 seqs · L=4) = 0.25; d/dlogp: -1/8 and +1/8
+    ("dr_grpo", 0.25, [-0.125, 0.125]),
+])
+def test_loss_types_on_lengths_1_and_3(loss_type, expected_loss, expected_grads):
+    """Per-sequence and per-token averaging differ when lengths differ; worked numbers in the parameters."""
+    logp = LENGTHS_1_AND_3["logp"].clone().requires_grad_(True)
+    kw = {**LENGTHS_1_AND_3, "logp": logp}
+    loss, _ = grpo.grpo_loss(**kw, beta=0.0, loss_type=loss_type, max_completion_length=4)
+    loss.backward()
+    assert loss.item() == pytest.approx(expected_loss, abs=1e-6)
+    assert logp.grad[0, 0].item() == pytest.approx(expected_grads[0], abs=1e-6)
+    assert logp.grad[1, :3].tolist() == pytest.approx([expected_grads[1]] * 3, abs=1e-6)
+    assert logp.grad[0, 1:].abs().sum() == 0 and logp.grad[1, 3] == 0  # masked tokens get no gradient
+
+
+def test_unknown_loss_type_is_rejected():
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        grpo.grpo_loss(**LENGTHS_1_AND_3, beta=0.0, loss_type="mean")
+
+
+def test_mu_1_loss_is_zero_but_gradient_is_reinforce_with_group_baseline():
+    """With μ = 1, logp_old = logp.detach(): every ratio is 1 and Σ_i A_i = 0 within each group, so the
+    'grpo' policy loss is -1/N Σ_i A_i · (|o_i|/|o_i|) = 0. Its gradient is not 0: it is
+    -1/N Σ_i A_i / |o_i| Σ_t ∇ log π(o_it), the REINFORCE gradient with the group mean as baseline."""
+    g = torch.Generator().manual_seed(0)
+    N, T, V, G = 8, 5, 7, 4
+    logits = torch.randn(N, T, V, generator=g, requires_grad=True)
+    ids = torch.randint(V, (N, T), generator=g)
+    mask = (torch.arange(T)[None, :] < torch.randint(1, T + 1, (N, 1), generator=g)).long()
+    rewards = torch.randint(0, 2, (N,), generator=g).float()
+    A = grpo.group_advantages(rewards, G)
+
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[..., None]).squeeze(-1)
+    loss, _ = grpo.grpo_loss(logp, logp.detach(), None, A, mask, beta=0.0)
+    (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
+    assert abs(loss.item()) < 1e-6
+
+    reinforce = -(A[:, None] * logp * mask).sum(1).div(mask.sum(1)).mean()   # the textbook estimator
+    (expected,) = torch.autograd.grad(reinforce, logits)
+    assert grad.abs().sum() > 0.1
+    torch.testing.assert_close(grad, expected)
+
+
+# --- 1 & 4. sampling and log-probs on a real (tiny) model ---------------------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    tok = tiny_world.char_tokenizer()
+    return tok, tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0)
+
+
+def test_completion_mask_includes_first_eos_only():
+    """EOS id 2. Row 1 stops at position 1 (EOS kept); row 2 never stops (all 4 kept); row 3 stops at 0."""
+    ids = torch.tensor([[5, 2, 7, 2], [5, 5, 5, 5], [2, 0, 0, 0]])
+    mask = grpo.completion_mask_from_ids(ids, [2])
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+
+
+def test_token_logprobs_match_full_log_softmax(tiny):
+    """gather + logsumexp on the completion slice equals log_softmax over the whole sequence, and the
+    entropy equals torch.distributions.Categorical's."""
+    tok, model = tiny
+    g = torch.Generator().manual_seed(1)
+    prompt_ids, completion_ids = torch.randint(4, 100, (3, 5), generator=g), torch.randint(4, 100, (3, 6), generator=g)
+    prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
+    completion_mask = torch.ones(3, 6, dtype=torch.long)
+    logp, entropy = grpo.token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                        temperature=0.7, with_entropy=True)
+    # slow, obvious: the whole (n, P+T, V) log_softmax, then pick each completion token
+    ids = torch.cat([prompt_ids, completion_ids], 1)
+    am = torch.cat([prompt_mask, completion_mask], 1)
+    logits = model(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(1) - 1).clamp(min=0)).logits / 0.7
+    full = torch.log_softmax(logits, -1)[:, 4:-1]
+    expected = full.gather(-1, completion_ids[..., None]).squeeze(-1)
+    torch.testing.assert_close(logp, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, torch.distributions.Categorical(logits=logits[:, 4:-1]).entropy(),
+                               atol=1e-5, rtol=1e-5)
+
+
+def tiny_gpt2(tok):
+    """GPT-2 learns ABSOLUTE position embeddings, so left padding shifts its positions unless handled."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id))
+    grpo.disable_dropout(model)  # GPT-2 has dropout 0.1; with it on, no two forward passes agree
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_sampling_distribution_is_the_one_the_loss_scores(tiny, arch):
+    """The log-probs generate() sampled from (its processed scores, at temperature 0.7 and with no top-k)
+    equal token_logprobs on the same left-padded sequences. This catches a hidden top_k=50, a temperature
+    mismatch, and (on GPT-2) position ids that differ between generation and scoring."""
+    tok, model = tiny
+    model = model if arch == "llama" else tiny_gpt2(tok)
+    cfg = grpo.GRPOConfig(group_size=3, max_new_tokens=12, temperature=0.7)
+    torch.manual_seed(0)
+    batch = grpo.sample_completions(model, tok, ["What is 2+3?", "Hi"], cfg)
+    torch.manual_seed(0)
+    out = model.generate(input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"], do_sample=True,
+                         temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=12,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         output_scores=True, return_dict_in_generate=True)
+    assert torch.equal(out.sequences[:, batch["prompt_ids"].shape[1]:], batch["completion_ids"])
+    scores = torch.stack(out.scores, 1).log_softmax(-1)                          # (N, T, V)
+    sampled = scores.gather(-1, batch["completion_ids"][..., None]).squeeze(-1)  # (N, T)
+    ours = grpo.token_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+                               batch["completion_mask"], temperature=0.7)
+    m = batch["completion_mask"].bool()
+    torch.testing.assert_close(ours[m], sampled[m], atol=1e-4, rtol=1e-4)
+    # no truncation: at least one sampled token lay outside the top 50 of its distribution
+    assert (scores.argsort(-1, descending=True).argsort(-1).gather(-1, batch["completion_ids"][..., None])
+            .squeeze(-1)[m] >= 50).any()
+
+
+def test_sample_completions_groups_and_masks(tiny):
+    tok, model = tiny
+    cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=8)
+    batch = grpo.sample_completions(model, tok, ["ab", "abcdef"], cfg)
+    N, T = batch["completion_ids"].shape
+    assert N == 8 and T <= 8
+    assert torch.equal(batch["prompt_ids"][0], batch["prompt_ids"][3])          # group rows are contiguous
+    assert not torch.equal(batch["prompt_ids"][0], batch["prompt_ids"][4])
+    assert batch["prompt_mask"][0].tolist()[:4] == [0, 0, 0, 0]                  # left padding
+    lengths = batch["completion_mask"].sum(1)
+    for n in range(N):
+        ids = batch["completion_ids"][n, :lengths[n]].tolist()
+        ended = tok.eos_token_id in ids
+        assert ended != bool(batch["truncated"][n])
+        assert batch["completions"][n] == tok.decode(ids, skip_special_tokens=True)
+
+
+# --- 2. rewards ---------------------------------------------------------------------------------------
+def test_compute_rewards_weights_and_means():
+    """Two functions, weights 1 and 0.5: r = f1 + 0.5·f2. f1 = [1,0,1,0], f2 = [2,2,0,0] -> [2,1,1,0]."""
+    def f1(prompts, completions, **kw):
+        return [1.0, 0.0, 1.0, 0.0]
+
+    def f2(prompts, completions, answer, **kw):
+        assert answer == ["a", "a", "b", "b"]
+        return [2, 2, 0, 0]
+
+    r, means = grpo.compute_rewards([f1, f2], ["p"] * 4, ["c"] * 4, {"answer": ["a", "a", "b", "b"]}, [1.0, 0.5])
+    assert r.tolist() == [2.0, 1.0, 1.0, 0.0]
+    assert means == {"f1": 0.5, "f2": 1.0}
+
+
+def test_compute_rewards_rejects_bad_reward_functions():
+    with pytest.raises(ValueError, match="'short' returned 1 values for 2 completions"):
+        def short(prompts, completions, **kw):
+            return [1.0]
+        grpo.compute_rewards([short], ["p", "p"], ["a", "b"])
+    with pytest.raises(TypeError, match="'texty' returned 'yes'"):
+        def texty(prompts, completions, **kw):
+            return ["yes", 1.0]
+        grpo.compute_rewards([texty], ["p", "p"], ["a", "b"])
+
+
+# --- 8. the whole step ----------------------------------------------------------------------------------
+def contains_a(prompts, completions, **kw):
+    return [float("a" in c) for c in completions]
+
+
+def run_step(cfg, seed=0, reward_funcs=(contains_a,), with_ref=True, sgd=False):
+    tok = tiny_world.char_tokenizer()
+    policy = tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0)
+    ref = grpo.make_reference(policy) if with_ref else None
+    # WHY sgd: plain SGD makes the weight change the gradient itself; Adam would blow float rounding in
+    # near-zero gradient entries up to a full lr-sized step.
+    opt = torch.optim.SGD(policy.parameters(), lr=cfg.lr) if sgd else grpo.make_optimizer(policy, cfg)
+    torch.manual_seed(seed)
+    metrics = grpo.grpo_step(policy, ref, opt, tok, ["Q1", "Q22"], list(reward_funcs), cfg)
+    return policy, metrics
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "token"])
+def test_micro_batches_give_the_same_update(loss_type):
+    """One SGD step with micro_batch_size 16 (all 16 sequences at once) and 3 (6 uneven chunks) from the
+    same seed samples the same completions and must land on the same weights (so the same gradient)."""
+    base = dict(group_size=8, max_new_tokens=10, lr=1.0, loss_type=loss_type)
+    full, m_full = run_step(grpo.GRPOConfig(**base, micro_batch_size=16), sgd=True)
+    micro, m_micro = run_step(grpo.GRPOConfig(**base, micro_batch_size=3), sgd=True)
+    assert m_full["reward_std"] > 0  # there was something to learn
+    for p, q in zip(full.parameters(), micro.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+    assert m_full["grad_norm"] > 1e-3
+    assert m_full["grad_norm"] == pytest.approx(m_micro["grad_norm"], rel=1e-5)
+    assert m_full["loss"] == pytest.approx(m_micro["loss"], abs=1e-6)
+    assert m_full["kl"] == pytest.approx(m_micro["kl"], abs=1e-7)
+
+
+def test_step_moves_weights_and_reports_every_metric():
+    tok = tiny_world.char_tokenizer()
+    cfg = grpo.GRPOConfig(group_size=8, max_new_tokens=10, lr=1e-2)
+    policy = tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0)
+    before = [p.detach().clone() for p in policy.parameters()]
+    torch.manual_seed(0)
+    m = grpo.grpo_step(policy, grpo.make_reference(policy), grpo.make_optimizer(policy, cfg), tok,
+                       ["Q1", "Q22"], [contains_a], cfg)
+    for key in ["reward", "reward_std", "rewards/contains_a", "frac_reward_zero_std", "kl", "clip_ratio/low",
+                "clip_ratio/high", "completions/mean_length", "completions/clipped_ratio", "entropy",
+                "grad_norm", "loss", "step_time"]:
+        assert key in m and math.isfinite(m[key]), key
+    assert any(not torch.equal(b, p) for b, p in zip(before, policy.parameters()))
+    assert m["kl"] == 0.0  # μ = 1: the policy equals the reference until this step's update
+    assert 0 < m["completions/mean_length"] <= 10
+
+
+def test_mu_2_keeps_logp_old_from_before_the_first_update(monkeypatch):
+    """With μ = 2, both inner iterations see the same logp_old, equal to the policy's log-probs before
+    any update; the second iteration's logp differs from it because the weights moved."""
+    calls = []
+    real = grpo.grpo_loss
+
+    def spy(logp, logp_old, *a, **kw):
+        calls.append((logp.detach().clone(), logp_old.clone()))
+        return real(logp, logp_old, *a, **kw)
+
+    monkeypatch.setattr(grpo, "grpo_loss", spy)
+    _, m = run_step(grpo.GRPOConfig(group_size=8, max_new_tokens=10, lr=1e-2, num_iterations=2,
+                                    micro_batch_size=16))
+    (logp1, old1), (logp2, old2) = calls
+    torch.testing.assert_close(old1, old2)
+    torch.testing.assert_close(logp1, old1, atol=1e-5, rtol=1e-5)   # ratio 1 in the first iteration
+    assert (logp2 - old2).abs().max() > 1e-3                        # not in the second
+
+
+def test_beta_zero_runs_without_reference_model():
+    _, m = run_step(grpo.GRPOConfig(group_size=4, max_new_tokens=6, beta=0.0), with_ref=False)
+    assert m["kl"] == 0.0
+    with pytest.raises(ValueError, match="needs a reference model"):
+        run_step(grpo.GRPOConfig(group_size=4, max_new_tokens=6, beta=0.04), with_ref=False)
+
+
+def test_non_finite_reward_skips_the_update():
+    """A NaN reward makes the gradient NaN; the step must skip the optimizer and leave the weights alone."""
+    def nan_reward(prompts, completions, **kw):
+        return [float("nan")] + [0.0] * (len(completions) - 1)
+
+    tok = tiny_world.char_tokenizer()
+    cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=6, lr=1e-2)
+    policy = tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0)
+    before = [p.detach().clone() for p in policy.parameters()]
+    m = grpo.grpo_step(policy, grpo.make_reference(policy), grpo.make_optimizer(policy, cfg), tok,
+                       ["Q1"], [nan_reward], cfg)
+    assert m["skipped_updates"] == 1
+    assert all(torch.equal(b, p) for b, p in zip(before, policy.parameters()))
