@@ -205,7 +205,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: bool
     # PAPER: Â_i,t = r̃_i = (r_i - mean(r)) / std(r)                              (§4.1.2, outcome supervision)
     centred = grouped - mean                                                     # (B, G)
     if not scale_rewards:
-        # DEVIATION (opt-in): Dr. GRPO drops the std, which up-weights groups with low reward spread less.
+        # DEVIATION (opt-in, Dr. GRPO): dividing by std up-weights groups whose rewards barely differ (nearly
+        # all right or all wrong). Mean-centring alone keeps every group's advantages on the reward's scale.
         return centred.view(-1)                                                  # (N,)
     # NOTE: std is the SAMPLE std (Bessel, divide by G-1), as torch.std and TRL use; the paper does not say.
     # NOTE: eps goes OUTSIDE the sqrt, added to std. A group whose rewards are all equal has centred == 0
@@ -238,13 +239,14 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
         kwargs["logits_to_keep"] = T + 1  # WHY (memory): skip the prompt's (n, P, V) logits entirely.
     logits = model(**kwargs).logits[:, -(T + 1):-1, :]                           # (n, T, V)  position t predicts o_t
     logits = logits.float() / temperature                                        # (n, T, V)
-    # log softmax(l)[o] = l[o] - logsumexp(l). WHY (memory): never materialise a second (n, T, V) log_softmax.
+    # NOTE: log softmax(l)[o] = l[o] - logsumexp(l)
+    # WHY (memory): gather + logsumexp never keeps a second (n, T, V) log_softmax tensor alive.
     chosen = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)         # (n, T)
     logp = chosen - torch.logsumexp(logits, dim=-1)                              # (n, T)
     if not with_entropy:
         return logp
     with torch.no_grad():
-        # H = -Σ_v p_v log p_v = logsumexp(l) - Σ_v p_v l_v
+        # NOTE: H = -Σ_v p_v log p_v = logsumexp(l) - Σ_v p_v l_v     (logged as `entropy`; no gradient)
         probs = torch.softmax(logits, dim=-1)                                    # (n, T, V)
         entropy = torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)     # (n, T)
     return logp, entropy
@@ -299,10 +301,10 @@ def grpo_loss(logp, logp_old, logp_ref, advantages, completion_mask, *, clip_eps
         # PAPER: 1/G Σ_i 1/|o_i| Σ_t                                            (eq. 3)
         loss = ((per_token * mask).sum(1) / lengths).mean()
     elif loss_type == "token":
-        # DAPO (arXiv 2503.14476): Σ_i Σ_t / Σ_i |o_i|
+        # DEVIATION (opt-in, DAPO arXiv 2503.14476): Σ_i Σ_t / Σ_i |o_i|
         loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
     else:
-        # Dr. GRPO (arXiv 2503.20783): Σ_i Σ_t / (N · L_max), a constant normaliser with no length bias
+        # DEVIATION (opt-in, Dr. GRPO arXiv 2503.20783): Σ_i Σ_t / (N · L_max), a constant with no length bias
         L = max_completion_length if max_completion_length is not None else mask.shape[1]
         loss = (per_token * mask).sum() / (mask.shape[0] * L)
 
