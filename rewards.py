@@ -11,8 +11,9 @@ Where a completion's final answer is read from, in this order:
     3. else the last number inside `<answer>...</answer>`
     4. else the number right after "answer is"
     5. else the last number anywhere in the text
-A completion that commits to two different answers (two `####` lines that disagree, or `\\boxed{17}` next to
-`#### 18`, or an empty `\\boxed{}`) is hedging, and earns nothing.
+A completion that commits to two different answers (two `####` lines that disagree, `\\boxed{17}` next to
+`#### 18`, or two "answer is" that disagree) is hedging, and earns nothing; so does an empty
+`\\boxed{}` or `####`, which commits to no answer at all.
 
 Nothing here evaluates model output as code: answers are read with regular expressions and `Decimal`.
 """
@@ -75,20 +76,14 @@ def completion_text(completion) -> str:
 
 def extract_answer(text: str) -> Decimal | None:
     """The final numeric answer of a solution, or None if it has none or hedges between answers."""
-    # Explicit commitments: every #### line, every \boxed{}, every <answer> tag. Each must hold a number,
-    # and all must agree, or the completion is hedging.
-    committed = []
-    for line in _HASH_LINE.findall(text):
-        nums = _numbers(line)
-        committed.append(nums[0] if nums else None)
-    for content in _boxed_contents(text) + _ANSWER_TAG.findall(text):
-        nums = _numbers(content)
-        committed.append(nums[-1] if nums else None)
+    # Explicit commitments: each #### line, each \boxed{}, each <answer> tag. A marker with no number in it
+    # commits to nothing. All must agree, or the completion is hedging.
+    committed = [(_numbers(line) or [None])[0] for line in _HASH_LINE.findall(text)]
+    committed += [(_numbers(c) or [None])[-1] for c in _boxed_contents(text) + _ANSWER_TAG.findall(text)]
     if committed:
-        if None in committed or len(set(committed)) > 1:
-            return None
-        return committed[0]
-    # Softer commitments: "the answer is N". Several that disagree are hedging too.
+        return committed[0] if None not in committed and len(set(committed)) == 1 else None
+    # Softer: "the answer is N", read only when there is no explicit marker. WHY not a hard commitment:
+    # GSM8K's own gold solutions say "the final answer is 15 gallons * 8 pints / gallon = 120" mid-way.
     stated = [_value(m) for m in (_NUMBER.match(text, a.end()) for a in _ANSWER_IS.finditer(text)) if m]
     if stated:
         return stated[0] if len(set(stated)) == 1 else None
