@@ -118,8 +118,11 @@ def completion_mask_from_ids(completion_ids: torch.Tensor, eos_ids: Sequence[int
 
 
 @torch.no_grad()
-def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig) -> dict:
-    """Sample G completions for each of B prompt strings. Returns a dict of tensors (rows grouped by prompt)."""
+def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig, greedy: bool = False) -> dict:
+    """Sample G completions for each of B prompt strings. Returns a dict of tensors (rows grouped by prompt).
+
+    greedy=True decodes the single most likely completion instead (for evaluation; use group_size=1).
+    """
     G = cfg.group_size
     device = next(model.parameters()).device
     # WHY: left padding puts every prompt's last token at the same column, so generation starts together.
@@ -133,10 +136,9 @@ def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig) ->
     model.eval()  # WHY: with gradient checkpointing, train mode turns the KV cache off and generation crawls.
     out = model.generate(
         input_ids=prompt_ids, attention_mask=prompt_mask,
-        do_sample=True, temperature=cfg.temperature,
         # NOTE: transformers otherwise applies top_k=50 from its defaults; the samples must come from
         # exactly the distribution whose log-probs the loss uses, so switch every truncation off.
-        top_k=0, top_p=1.0,
+        **(dict(do_sample=False) if greedy else dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0)),
         max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
         eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True,
     )                                                                            # (N, P+T)
@@ -367,10 +369,11 @@ def micro_batch_weights(completion_mask: torch.Tensor, slices: list[slice], loss
 
 
 def grpo_step(policy, ref_model, optimizer, tokenizer, prompts: list[str], reward_funcs: Sequence[RewardFn],
-              cfg: GRPOConfig, columns: dict | None = None) -> dict:
+              cfg: GRPOConfig, columns: dict | None = None, return_samples: bool = False) -> dict:
     """One GRPO step on B prompts: sample, score, standardise, then μ clipped-ratio updates. Returns metrics.
 
     `columns` holds extra per-prompt data for the reward functions (e.g. {"answer": [...]}, B entries each).
+    return_samples=True adds metrics["samples"]: one dict per completion (prompt, completion, reward, advantage).
     """
     t0 = time.perf_counter()
     G, mu = cfg.group_size, cfg.num_iterations
@@ -449,4 +452,7 @@ def grpo_step(policy, ref_model, optimizer, tokenizer, prompts: list[str], rewar
         "skipped_updates": skipped,
         "step_time": time.perf_counter() - t0,
     }
+    if return_samples:
+        metrics["samples"] = [dict(prompt=p, completion=c, reward=r, advantage=a) for p, c, r, a in
+                              zip(rep_prompts, batch["completions"], rewards.tolist(), advantages.tolist())]
     return metrics

@@ -1,14 +1,33 @@
 """
-tiny_world.py -- the offline stand-in for "a pretrained LM": a character tokenizer and a tiny causal LM.
+tiny_world.py -- the offline stand-in for "a pretrained LM plus GSM8K", small enough for a laptop CPU.
 
-Nothing here downloads anything. The tokenizer is a real `transformers.PreTrainedTokenizerFast`
-(so `save_pretrained` / `from_pretrained` work) and the model is a real `LlamaForCausalLM`,
-so grpo.py runs on them exactly as it runs on a hub model.
+It is the R1 recipe in miniature: a supervised warm start that leaves a tiny model partly right, then
+GRPO (train_gsm8k.py) makes it better. Nothing here downloads anything.
+
+    char_tokenizer()     a real `PreTrainedTokenizerFast`, one token per character (save/from_pretrained work)
+    tiny_llama()         a randomly initialised `LlamaForCausalLM` of about 1 M parameters
+    make_problems()      GSM8K-style word problems of 1-3 steps, solved in GSM8K's layout:
+                             3*4=<<3*4=12>>12
+                             12+12=<<12+12=24>>24
+                             #### 24
+                         Train and test are disjoint by construction (a hash of the question picks the split).
+    warm_start()         supervised training on those solutions, stopped while the model is still partly
+                         wrong; the checkpoint is cached on disk, built once and reused.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
 import string
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -51,3 +70,195 @@ def tiny_llama(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, ffn
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     return model
+
+
+# ----------------------------------------------------------------------------------------------
+# GSM8K-style word problems
+# ----------------------------------------------------------------------------------------------
+NAMES = [("Mia", "She"), ("Tom", "He"), ("Ava", "She"), ("Leo", "He"), ("Zoe", "She"), ("Sam", "He"),
+         ("Ivy", "She"), ("Ben", "He"), ("Lily", "She"), ("Omar", "He"), ("Nina", "She"), ("Raj", "He")]
+ITEMS = ["apples", "pens", "cards", "books", "shells", "stamps", "marbles", "cookies", "stickers", "beads",
+         "eggs", "coins"]
+OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a // b}
+
+
+def _templates(r: random.Random):
+    """One random problem: (question, steps). A step is (a, op, b); the steps chain through their results."""
+    (n, p), items = r.choice(NAMES), r.choice(ITEMS)
+    (m, _) = r.choice([x for x in NAMES if x[0] != n])
+    k = r.randrange(14)
+    # WHY these ranges: small enough that a ~1 M-parameter character model learns the arithmetic in minutes
+    a, b, c, d = r.randint(2, 40), r.randint(2, 6), r.randint(2, 6), r.randint(2, 20)
+    if k == 0:
+        return f"{n} has {a} {items}. {p} finds {d} more. How many {items} does {n} have now?", [(a, "+", d)]
+    if k == 1:
+        return f"{n} has {a + d} {items}. {p} gives {d} away. How many {items} are left?", [(a + d, "-", d)]
+    if k == 2:
+        return f"{n} buys {b} boxes of {items}. Each box holds {a}. How many {items} is that?", [(b, "*", a)]
+    if k == 3:
+        return (f"{n} splits {a * b} {items} evenly into {b} bags. How many {items} go in each bag?",
+                [(a * b, "/", b)])
+    if k == 4:
+        return (f"There are {b} rows with {c} {items} in each row. How many {items} are there?", [(b, "*", c)])
+    if k == 5:
+        return (f"{n} has {a} {items}. {p} buys {b} packs with {c} {items} in each. "
+                f"How many {items} does {n} have now?", [(b, "*", c), (a, "+", b * c)])
+    if k == 6:
+        e = r.randint(1, b * a - 1)
+        return (f"{n} buys {b} boxes of {a} {items}. {p} gives {e} to {m}. How many {items} are left?",
+                [(b, "*", a), (b * a, "-", e)])
+    if k == 7:
+        return (f"{n} has {a} {items} and {m} has {d}. They sell them all for ${b} each. "
+                f"How many dollars do they get?", [(a, "+", d), (a + d, "*", b)])
+    if k == 8:
+        total = c * r.randint(2, 20)
+        return (f"{n} has {total + d} {items} and gives {d} away. {p} shares the rest equally among "
+                f"{c} friends. How many {items} does each friend get?", [(total + d, "-", d), (total, "/", c)])
+    if k == 9:
+        return (f"{n} reads {b} pages a day for {c} days. The book has {a + b * c} pages. "
+                f"How many pages are left?", [(b, "*", c), (a + b * c, "-", b * c)])
+    if k == 10:
+        return (f"{n} bakes {b} trays of {c * d} {items}. {p} packs them in bags of {c}. "
+                f"How many bags does {n} fill?", [(b, "*", c * d), (b * c * d, "/", c)])
+    if k == 11:
+        e = r.randint(1, a + b * c - 1)
+        return (f"{n} has {a} {items}. {p} buys {b} packs of {c}, then gives {e} to {m}. "
+                f"How many {items} does {n} have now?", [(b, "*", c), (a, "+", b * c), (a + b * c, "-", e)])
+    if k == 12:
+        cost = (b + c) * d
+        pay = cost + r.randint(1, 20)
+        return (f"{items.capitalize()} cost ${d} each. {n} buys {b} and {m} buys {c}. They pay with ${pay}. "
+                f"How much change do they get?", [(b, "+", c), (b + c, "*", d), (pay, "-", cost)])
+    e = r.randint(2, 9)
+    spent = r.randint(1, b * c * e - 1)
+    return (f"{n} earns ${b} an hour and works {c} hours a day for {e} days. {p} spends ${spent}. "
+            f"How many dollars are left?", [(b, "*", c), (b * c, "*", e), (b * c * e, "-", spent)])
+
+
+def solve(steps) -> tuple[str, int]:
+    """GSM8K's layout for a chain of steps: one line `a op b=<<a op b=r>>r` per step, then `#### answer`."""
+    lines = []
+    for a, op, b in steps:
+        result = OPS[op](a, b)
+        lines.append(f"{a}{op}{b}=<<{a}{op}{b}={result}>>{result}")
+    return "\n".join(lines + [f"#### {result}"]), result
+
+
+def split_of(question: str) -> str:
+    """'test' for one question in ten, by a hash of its text; so train and test can never share one."""
+    return "test" if int(hashlib.sha256(question.encode()).hexdigest(), 16) % 10 == 0 else "train"
+
+
+def make_problems(n: int, split: str = "train", seed: int = 0) -> list[dict]:
+    """n distinct problems of one split, as GSM8K rows: {"question", "answer"} (answer = full solution)."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    r, seen, rows = random.Random(f"{split}-{seed}"), set(), []
+    while len(rows) < n:
+        question, steps = _templates(r)
+        if question in seen or split_of(question) != split:
+            continue
+        seen.add(question)
+        rows.append({"question": question, "answer": solve(steps)[0]})
+    return rows
+
+
+def prompt_of(question: str) -> str:
+    """The tiny world's prompt: the question and a newline; the solution follows directly."""
+    return question + "\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# The supervised warm start ("pretraining" for the tiny world), cached on disk
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class WarmStartConfig:
+    """Settings of the supervised warm start. Any change builds (and caches) a new checkpoint."""
+
+    hidden: int = 128
+    """Model width. 128 with 4 layers and FFN 512 gives about 0.9 M parameters."""
+    layers: int = 4
+    """Transformer blocks."""
+    heads: int = 4
+    """Attention heads."""
+    steps: int = 600
+    """Supervised steps. Our choice: few enough that the model is still partly wrong, so RL has work to do."""
+    batch_size: int = 32
+    """Problems per supervised step."""
+    lr: float = 2e-3
+    """Peak AdamW learning rate (linear warm-up over 5% of steps, cosine decay to 10%)."""
+    seed: int = 0
+    """Seed for the weights and for the order of training problems."""
+
+
+def default_cache_dir() -> Path:
+    """Where warm-start checkpoints live: $GRPO_TINY_CACHE, else .cache/ next to this file (git-ignored)."""
+    return Path(os.environ.get("GRPO_TINY_CACHE", Path(__file__).resolve().parent / ".cache"))
+
+
+def supervised_loss(model, tokenizer, rows: list[dict]) -> torch.Tensor:
+    """Mean cross-entropy of the solution tokens (and the final EOS) given the question. Prompt tokens are masked."""
+    prompts = [prompt_of(r["question"]) for r in rows]
+    texts = [p + r["answer"] + tokenizer.eos_token for p, r in zip(prompts, rows)]
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    labels = enc["input_ids"].clone()                                              # (n, L)
+    labels[enc["attention_mask"] == 0] = -100
+    for i, p in enumerate(prompts):
+        labels[i, :len(p)] = -100  # WHY: one token per character, so the prompt is exactly len(p) tokens
+    return model(**enc, labels=labels).loss
+
+
+def warm_start(cfg: WarmStartConfig = WarmStartConfig(), cache_dir: Path | None = None, log=print) -> Path:
+    """Train (or reuse) the supervised warm start; return its `save_pretrained` directory.
+
+    The directory name is a hash of `cfg`, so each setting is built once. It is written to a temporary
+    directory and renamed into place, so an interrupted build never leaves a half-written checkpoint.
+    """
+    cache_dir = Path(cache_dir or default_cache_dir())
+    key = hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:12]
+    out = cache_dir / f"warm-start-{key}"
+    if (out / "config.json").exists():
+        return out
+
+    tokenizer = char_tokenizer()
+    model = tiny_llama(tokenizer, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads, seed=cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
+    warmup = max(1, cfg.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg.steps)))))
+    rows = make_problems(cfg.steps * cfg.batch_size, "train", seed=cfg.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"warm start: {n_params / 1e6:.2f} M parameters, {cfg.steps} supervised steps -> {out}")
+    t0 = time.perf_counter()
+    model.train()
+    try:
+        from tqdm.auto import tqdm
+        bar = tqdm(range(cfg.steps), desc="warm start", unit="step", leave=False)
+    except ImportError:  # pragma: no cover
+        bar = range(cfg.steps)
+    for step in bar:
+        loss = supervised_loss(model, tokenizer, rows[step * cfg.batch_size:(step + 1) * cfg.batch_size])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if hasattr(bar, "set_postfix"):
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval()
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-warm-start-", dir=cache_dir))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "warm_start.json").write_text(json.dumps(
+            {**asdict(cfg), "final_loss": loss.item(), "seconds": time.perf_counter() - t0}, indent=1))
+        os.replace(tmp, out)  # atomic on one filesystem; a racing builder that got there first wins
+    except OSError:
+        if not (out / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"warm start: done in {time.perf_counter() - t0:.0f} s, final loss {loss.item():.3f}")
+    return out

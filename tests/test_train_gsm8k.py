@@ -1,0 +1,179 @@
+"""train_gsm8k.py end to end on tiny settings, its outputs, its bad-input errors, and the qwen2.5-0.5b
+preset's code path on a small locally built Qwen2 model with a chat template.
+
+Needs: torch, transformers, matplotlib. GSM8K_DIR for the Qwen-path test (skips without it). CPU, offline.
+The warm-start cache goes to a temporary folder, so nothing here reuses a checkpoint from elsewhere.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import grpo
+import tiny_world
+import train_gsm8k
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_FLAGS = ["--warm-start-steps", "5", "--steps", "2", "--eval-size", "6", "--prompts-per-step", "2",
+              "--group-size", "4", "--max-new-tokens", "20", "--sample-every", "1", "--threads", "1"]
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRPO_TINY_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def run_script(*args, env_extra=None):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env_extra or {})}
+    return subprocess.run([sys.executable, str(ROOT / "train_gsm8k.py"), *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=600)
+
+
+def test_tiny_run_end_to_end_writes_every_output(tmp_path, cache):
+    out = tmp_path / "run"
+    proc = run_script(*TINY_FLAGS, "--out", str(out), env_extra={"GRPO_TINY_CACHE": str(cache)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| before | after |" in proc.stdout
+
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("accuracy_before", "accuracy_after", "steps", "wall_seconds", "model", "data"):
+        assert key in summary
+    assert summary["steps"] == 2 and summary["data"] == "tiny" and summary["eval_size"] == 6
+
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2]
+    for m in lines:
+        for key in ("reward", "kl", "clip_ratio/low", "entropy", "grad_norm", "loss", "completions/mean_length",
+                    "rewards/correctness_reward", "rewards/format_reward", "step_time"):
+            assert math.isfinite(m[key]), key
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples and {"step", "prompt", "completion", "reward", "advantage"} <= set(samples[0])
+    assert (out / "curves.png").stat().st_size > 10_000
+
+    # final/ loads with AutoModelForCausalLM. Its weights moved away from the warm start exactly when some
+    # group had a reward spread: with μ = 1 and every advantage 0 the gradient is exactly 0 (the KL term's
+    # gradient is 0 too while the policy still equals the reference).
+    from transformers import AutoModelForCausalLM
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    (warm,) = list(cache.glob("warm-start-*"))
+    start = AutoModelForCausalLM.from_pretrained(warm)
+    moved = any(not torch.equal(a, b) for a, b in zip(final.parameters(), start.parameters()))
+    assert moved == any(m["reward_std"] > 0 for m in lines)
+    assert not list(out.glob(".tmp*")) and not list(cache.glob(".tmp*"))
+
+
+def test_warm_start_is_cached_and_reused(cache):
+    cfg = tiny_world.WarmStartConfig(hidden=32, layers=1, heads=2, steps=3, batch_size=4)
+    first = tiny_world.warm_start(cfg, log=lambda *a: None)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    again = tiny_world.warm_start(cfg, log=lambda *a: None)
+    assert again == first and (again / "model.safetensors").stat().st_mtime_ns == stamp
+    other = tiny_world.warm_start(tiny_world.WarmStartConfig(hidden=32, layers=1, heads=2, steps=4, batch_size=4),
+                                  log=lambda *a: None)
+    assert other != first
+
+
+def test_tiny_problems_are_gsm8k_format_and_splits_are_disjoint():
+    import rewards
+    train = tiny_world.make_problems(3000, "train")
+    test = tiny_world.make_problems(500, "test")
+    assert not {r["question"] for r in train} & {r["question"] for r in test}
+    assert len({r["question"] for r in train}) == 3000
+    for r in train[:200] + test[:200]:
+        *steps, final = r["answer"].split("\n")
+        assert final.startswith("#### ") and 1 <= len(steps) <= 3
+        for line in steps:  # every calculator annotation is right: a op b=<<a op b=c>>c
+            expr, rest = line.split("=<<")
+            inner, shown = rest.split(">>")
+            lhs, result = inner.split("=")
+            assert lhs == expr and result == shown
+            assert eval(lhs.replace("/", "//")) == int(result)  # test-only check of our own generated text
+        assert rewards.correctness_reward([r["answer"]], [r["answer"]]) == [1.0]
+
+
+# --- bad input: one line, exit code 2, nothing written ----------------------------------------------
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+GOOD = json.dumps({"question": "1+1?", "answer": "1+1=<<1+1=2>>2\n#### 2"})
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("preset", "invalid choice: 'huge'"),
+    ("data_dir", "is not 'tiny', 'openai/gsm8k' or an existing directory"),
+    ("bad_json", "train.jsonl:2: not valid JSON"),
+    ("missing_field", "train.jsonl:3: expected an object with string fields 'question' and 'answer'"),
+    ("no_final_number", "test.jsonl:1: the answer has no final number"),
+    ("model_dir", "model directory ./no/such/model does not exist"),
+    ("group_size", "--group-size must be at least 2"),
+    ("beta", "--beta must be >= 0"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, case, expected):
+    data = tmp_path / "data"
+    write(data / "train.jsonl", GOOD + "\n")
+    write(data / "test.jsonl", GOOD + "\n")
+    args = {"preset": ["--preset", "huge"],
+            "data_dir": ["--data", str(tmp_path / "nowhere")],
+            "bad_json": ["--data", str(data)],
+            "missing_field": ["--data", str(data)],
+            "no_final_number": ["--data", str(data)],
+            "model_dir": ["--model", "./no/such/model", "--data", str(data)],
+            "group_size": ["--group-size", "1"],
+            "beta": ["--beta", "-0.1"]}[case]
+    if case == "bad_json":
+        write(data / "train.jsonl", GOOD + "\n{not json\n")
+    if case == "missing_field":
+        write(data / "train.jsonl", GOOD + "\n" + GOOD + "\n" + json.dumps({"question": "q"}) + "\n")
+    if case == "no_final_number":
+        write(data / "test.jsonl", json.dumps({"question": "q", "answer": "no number"}) + "\n")
+    out = tmp_path / "out"
+    proc = run_script(*args, "--out", str(out), env_extra={"GRPO_TINY_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 2
+    assert expected in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+# --- the qwen2.5-0.5b preset's code path, on a small local Qwen2 ------------------------------------
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.slow
+def test_qwen_preset_code_path_on_local_qwen2_and_gsm8k(tmp_path):
+    gsm8k = os.environ.get("GSM8K_DIR")
+    if not gsm8k:
+        pytest.skip("GSM8K_DIR is not set: point it at a folder with GSM8K's train.jsonl and test.jsonl")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    tok = tiny_world.char_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                         max_position_embeddings=1024, eos_token_id=tok.eos_token_id,
+                                         pad_token_id=tok.pad_token_id, tie_word_embeddings=True))
+    model.save_pretrained(tmp_path / "qwen2-tiny")
+    tok.save_pretrained(tmp_path / "qwen2-tiny")
+
+    out = tmp_path / "run"
+    summary = train_gsm8k.main(["--preset", "qwen2.5-0.5b", "--model", str(tmp_path / "qwen2-tiny"),
+                                "--data", gsm8k, "--steps", "2", "--eval-size", "4", "--prompts-per-step", "2",
+                                "--group-size", "2", "--max-new-tokens", "12", "--micro-batch-size", "2",
+                                "--device", "cpu", "--out", str(out)])
+    assert summary["grpo_config"]["lr"] == 1e-6 and summary["train_config"]["bf16"] is True
+    assert summary["train_config"]["gradient_checkpointing"] is True
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples[0]["prompt"].startswith("<|im_start|>system\nSolve the math problem")
+    assert samples[0]["prompt"].endswith("<|im_start|>assistant\n")
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    assert (out / "final" / "config.json").exists()
