@@ -13,6 +13,12 @@ GRPO (train_gsm8k.py) makes it better. Nothing here downloads anything.
                          Train and test are disjoint by construction (a hash of the question picks the split).
     warm_start()         supervised training on those solutions, stopped while the model is still partly
                          wrong; the checkpoint is cached on disk, built once and reused.
+
+Why the warm-start text has mistakes on purpose: real pretraining text is written by people who slip.
+Here the warm-start solutions forget a carry or a borrow 60% of the time (48+27=65, 52-17=45), and the
+slipped result flows on into the final answer. Imitation can only learn to copy that, so supervised
+training plateaus. GRPO's reward checks the final answer against the truth, so it can do better than
+its teacher. That is the point of RL after supervised training, shown at a size a laptop can run.
 """
 
 from __future__ import annotations
@@ -75,72 +81,96 @@ def tiny_llama(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, ffn
 # ----------------------------------------------------------------------------------------------
 # GSM8K-style word problems
 # ----------------------------------------------------------------------------------------------
-NAMES = [("Mia", "She"), ("Tom", "He"), ("Ava", "She"), ("Leo", "He"), ("Zoe", "She"), ("Sam", "He"),
-         ("Ivy", "She"), ("Ben", "He"), ("Lily", "She"), ("Omar", "He"), ("Nina", "She"), ("Raj", "He")]
+NAMES = ["Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Ben", "Lily", "Omar", "Nina", "Raj"]
 ITEMS = ["apples", "pens", "cards", "books", "shells", "stamps", "marbles", "cookies", "stickers", "beads",
          "eggs", "coins"]
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a // b}
+P = "prev"  # in a step, stands for the result of the step before
 
 
 def _templates(r: random.Random):
-    """One random problem: (question, steps). A step is (a, op, b); the steps chain through their results."""
-    (n, p), items = r.choice(NAMES), r.choice(ITEMS)
-    (m, _) = r.choice([x for x in NAMES if x[0] != n])
+    """One random problem: (question, steps). A step is (x, op, y); x or y may be P, the previous result."""
+    n, items = r.choice(NAMES), r.choice(ITEMS)
+    m = r.choice([x for x in NAMES if x != n])
+    # WHY these ranges: products stay within the times tables (or 2 digits by 1), so a ~1 M-parameter
+    # character model can learn the arithmetic in minutes; sums and differences of 2-digit numbers carry
+    # and borrow often (which is where the warm-start text slips).
+    a, d = r.randint(10, 59), r.randint(2, 39)
+    b, c, e = r.randint(2, 9), r.randint(2, 9), r.randint(2, 9)
     k = r.randrange(14)
-    # WHY these ranges: small enough that a ~1 M-parameter character model learns the arithmetic in minutes
-    a, b, c, d = r.randint(2, 40), r.randint(2, 6), r.randint(2, 6), r.randint(2, 20)
     if k == 0:
-        return f"{n} has {a} {items}. {p} finds {d} more. How many {items} does {n} have now?", [(a, "+", d)]
+        return f"{n} has {a} {items} and finds {d} more. How many {items} now?", [(a, "+", d)]
     if k == 1:
-        return f"{n} has {a + d} {items}. {p} gives {d} away. How many {items} are left?", [(a + d, "-", d)]
+        return f"{n} has {a + d} {items} and gives away {d}. How many are left?", [(a + d, "-", d)]
     if k == 2:
-        return f"{n} buys {b} boxes of {items}. Each box holds {a}. How many {items} is that?", [(b, "*", a)]
+        return f"{n} buys {b} boxes of {c} {items}. How many {items}?", [(b, "*", c)]
     if k == 3:
-        return (f"{n} splits {a * b} {items} evenly into {b} bags. How many {items} go in each bag?",
-                [(a * b, "/", b)])
+        return f"{n} splits {b * c} {items} into {b} equal bags. How many per bag?", [(b * c, "/", b)]
     if k == 4:
-        return (f"There are {b} rows with {c} {items} in each row. How many {items} are there?", [(b, "*", c)])
+        return f"There are {b} rows of {c} {items}. How many {items}?", [(b, "*", c)]
     if k == 5:
-        return (f"{n} has {a} {items}. {p} buys {b} packs with {c} {items} in each. "
-                f"How many {items} does {n} have now?", [(b, "*", c), (a, "+", b * c)])
+        return f"{n} has {a} {items} and buys {b} packs of {c}. How many {items} now?", [(b, "*", c), (a, "+", P)]
     if k == 6:
-        e = r.randint(1, b * a - 1)
-        return (f"{n} buys {b} boxes of {a} {items}. {p} gives {e} to {m}. How many {items} are left?",
-                [(b, "*", a), (b * a, "-", e)])
+        return (f"{n} buys {b} boxes of {c} {items} and gives {e} to {m}. How many are left?",
+                [(b, "*", c), (P, "-", e)])
     if k == 7:
-        return (f"{n} has {a} {items} and {m} has {d}. They sell them all for ${b} each. "
-                f"How many dollars do they get?", [(a, "+", d), (a + d, "*", b)])
+        return (f"{n} has {a} {items}, finds {d} more and loses {e}. How many {items} now?",
+                [(a, "+", d), (P, "-", e)])
     if k == 8:
-        total = c * r.randint(2, 20)
-        return (f"{n} has {total + d} {items} and gives {d} away. {p} shares the rest equally among "
-                f"{c} friends. How many {items} does each friend get?", [(total + d, "-", d), (total, "/", c)])
+        return (f"{n} has {c * e + d} {items}, gives away {d} and shares the rest among {c} friends. "
+                f"How many each?", [(c * e + d, "-", d), (P, "/", c)])
     if k == 9:
-        return (f"{n} reads {b} pages a day for {c} days. The book has {a + b * c} pages. "
-                f"How many pages are left?", [(b, "*", c), (a + b * c, "-", b * c)])
+        return (f"{n} reads {b} pages a day for {c} days. The book has {a + b * c} pages. How many are left?",
+                [(b, "*", c), (a + b * c, "-", P)])
     if k == 10:
-        return (f"{n} bakes {b} trays of {c * d} {items}. {p} packs them in bags of {c}. "
-                f"How many bags does {n} fill?", [(b, "*", c * d), (b * c * d, "/", c)])
+        return (f"{n} has {b} bags of {c} {items} and {m} has {e} bags. How many {items} in all?",
+                [(b, "+", e), (P, "*", c)])
     if k == 11:
-        e = r.randint(1, a + b * c - 1)
-        return (f"{n} has {a} {items}. {p} buys {b} packs of {c}, then gives {e} to {m}. "
-                f"How many {items} does {n} have now?", [(b, "*", c), (a, "+", b * c), (a + b * c, "-", e)])
+        return (f"{n} has {a} {items}, buys {b} packs of {c} and gives {d} to {m}. How many now?",
+                [(b, "*", c), (a, "+", P), (P, "-", d)])
     if k == 12:
-        cost = (b + c) * d
-        pay = cost + r.randint(1, 20)
-        return (f"{items.capitalize()} cost ${d} each. {n} buys {b} and {m} buys {c}. They pay with ${pay}. "
-                f"How much change do they get?", [(b, "+", c), (b + c, "*", d), (pay, "-", cost)])
-    e = r.randint(2, 9)
-    spent = r.randint(1, b * c * e - 1)
-    return (f"{n} earns ${b} an hour and works {c} hours a day for {e} days. {p} spends ${spent}. "
-            f"How many dollars are left?", [(b, "*", c), (b * c, "*", e), (b * c * e, "-", spent)])
+        pay = (b + c) * e + r.randint(1, 30)
+        return (f"{items.capitalize()} cost ${e} each. {n} buys {b} and {m} buys {c}. They pay ${pay}. "
+                f"How much change?", [(b, "+", c), (P, "*", e), (pay, "-", P)])
+    spent = r.randint(1, b * c - 1)
+    return (f"{n} earns ${b} an hour for {c} hours and spends ${spent}. How much is left?",
+            [(b, "*", c), (P, "-", spent)])
 
 
-def solve(steps) -> tuple[str, int]:
-    """GSM8K's layout for a chain of steps: one line `a op b=<<a op b=r>>r` per step, then `#### answer`."""
-    lines = []
-    for a, op, b in steps:
-        result = OPS[op](a, b)
-        lines.append(f"{a}{op}{b}=<<{a}{op}{b}={result}>>{result}")
+def _columns(x: int) -> list[int]:
+    return [int(ch) for ch in str(x)[::-1]]
+
+
+def slipped(x: int, op: str, y: int) -> int | None:
+    """The careless result of x op y, or None if there is no carry or borrow to forget.
+
+    '+' forgets every carry (48+27 -> 65: each column's sum mod 10); '-' takes the smaller digit from the
+    larger in every column instead of borrowing (52-17 -> 45). Both are classic schoolchild errors.
+    """
+    if op not in "+-" or x < 0 or y < 0 or (op == "-" and x < y):
+        return None
+    xs, ys = _columns(x), _columns(y)
+    width = max(len(xs), len(ys))
+    xs, ys = xs + [0] * (width - len(xs)), ys + [0] * (width - len(ys))
+    digits = [(p + q) % 10 if op == "+" else abs(p - q) for p, q in zip(xs, ys)]
+    wrong = int("".join(map(str, digits[::-1])))
+    return wrong if wrong != OPS[op](x, y) else None
+
+
+def solve(steps, slip_rate: float = 0.0, rng: random.Random | None = None) -> tuple[str, int]:
+    """GSM8K's layout for a chain of steps: one line `x op y=<<x op y=r>>r` per step, then `#### answer`.
+
+    With slip_rate > 0, each carry or borrow is forgotten with that probability, and the wrong result flows
+    into the later steps, as it would in a careless author's solution. slip_rate = 0 gives the true answer.
+    """
+    lines, result = [], None
+    for x, op, y in steps:
+        x, y = (result if x == P else x), (result if y == P else y)
+        result = OPS[op](x, y)
+        wrong = slipped(x, op, y) if slip_rate > 0 else None
+        if wrong is not None and rng.random() < slip_rate:
+            result = wrong
+        lines.append(f"{x}{op}{y}=<<{x}{op}{y}={result}>>{result}")
     return "\n".join(lines + [f"#### {result}"]), result
 
 
@@ -149,17 +179,21 @@ def split_of(question: str) -> str:
     return "test" if int(hashlib.sha256(question.encode()).hexdigest(), 16) % 10 == 0 else "train"
 
 
-def make_problems(n: int, split: str = "train", seed: int = 0) -> list[dict]:
-    """n distinct problems of one split, as GSM8K rows: {"question", "answer"} (answer = full solution)."""
+def make_problems(n: int, split: str = "train", seed: int = 0, slip_rate: float = 0.0) -> list[dict]:
+    """n distinct problems of one split, as GSM8K rows: {"question", "answer"} (answer = full solution).
+
+    slip_rate > 0 writes careless solutions (see solve); use it only for warm-start text, never as a gold.
+    """
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    r, seen, rows = random.Random(f"{split}-{seed}"), set(), []
+    # WHY two generators: the same seed gives the same questions whatever the slip rate.
+    r, slips, seen, rows = random.Random(f"{split}-{seed}"), random.Random(f"slips-{split}-{seed}"), set(), []
     while len(rows) < n:
         question, steps = _templates(r)
         if question in seen or split_of(question) != split:
             continue
         seen.add(question)
-        rows.append({"question": question, "answer": solve(steps)[0]})
+        rows.append({"question": question, "answer": solve(steps, slip_rate, slips)[0]})
     return rows
 
 
@@ -181,12 +215,15 @@ class WarmStartConfig:
     """Transformer blocks."""
     heads: int = 4
     """Attention heads."""
-    steps: int = 600
+    steps: int = 800
     """Supervised steps. Our choice: few enough that the model is still partly wrong, so RL has work to do."""
     batch_size: int = 32
     """Problems per supervised step."""
     lr: float = 2e-3
     """Peak AdamW learning rate (linear warm-up over 5% of steps, cosine decay to 10%)."""
+    slip_rate: float = 0.6
+    """Share of carries and borrows the warm-start solutions get wrong. Our choice: above 0.5, so imitation
+    learns the mistake as the most likely answer, while the verifier's reward can still find the right one."""
     seed: int = 0
     """Seed for the weights and for the order of training problems."""
 
@@ -226,7 +263,7 @@ def warm_start(cfg: WarmStartConfig = WarmStartConfig(), cache_dir: Path | None 
     warmup = max(1, cfg.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg.steps)))))
-    rows = make_problems(cfg.steps * cfg.batch_size, "train", seed=cfg.seed)
+    rows = make_problems(cfg.steps * cfg.batch_size, "train", seed=cfg.seed, slip_rate=cfg.slip_rate)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"warm start: {n_params / 1e6:.2f} M parameters, {cfg.steps} supervised steps -> {out}")
     t0 = time.perf_counter()

@@ -5,6 +5,7 @@ train_gsm8k.py -- train a model with GRPO (grpo.py) and show, on held-out proble
     python train_gsm8k.py --preset qwen2.5-0.5b               # Qwen2.5-0.5B-Instruct on GSM8K, one GPU
     python train_gsm8k.py --preset qwen2.5-0.5b --data ../shared/data/gsm8k   # GSM8K from local JSONL
     python train_gsm8k.py --help                              # every flag, with its default and meaning
+    python train_gsm8k.py summarize runs/a runs/b runs/c      # mean ± std table over finished runs
 
 What it does: measure greedy accuracy on held-out problems, run `--steps` GRPO steps, measure again, and
 write to --out DIR:
@@ -61,7 +62,7 @@ class TrainConfig:
     eval_batch_size: int = 100
     """Problems per batch during evaluation (memory only; the result does not depend on it)."""
     seed: int = 0
-    """Seed for the order of training prompts, for sampling and, in the tiny world, for the warm start."""
+    """Seed for the order of training prompts and for sampling."""
     device: str = "auto"
     """'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', 'mps'."""
     bf16: bool = False
@@ -72,8 +73,10 @@ class TrainConfig:
     """System message for models with a chat template; empty for none."""
     threads: int = 0
     """CPU threads for torch (0: torch's default). Set it when timing."""
-    warm_start_steps: int = 600
+    warm_start_steps: int = 800
     """Tiny world only: supervised steps of the warm start (a cached checkpoint per setting)."""
+    warm_start_seed: int = 0
+    """Tiny world only: seed of the warm start. Fixed by default, so every --seed starts from one model."""
     sample_every: int = 10
     """Every this many steps, write a few completions with their rewards to samples.jsonl."""
     out: str = ""
@@ -237,9 +240,9 @@ def load_model(tcfg: TrainConfig, log=print):
         path = str(Path(name).expanduser()) if looks_local else name
     else:
         import tiny_world
-        path = str(tiny_world.warm_start(tiny_world.WarmStartConfig(steps=tcfg.warm_start_steps, seed=tcfg.seed),
-                                         log=log))
-        name = f"tiny-world warm start ({tcfg.warm_start_steps} supervised steps, seed {tcfg.seed})"
+        ws = tiny_world.WarmStartConfig(steps=tcfg.warm_start_steps, seed=tcfg.warm_start_seed)
+        path = str(tiny_world.warm_start(ws, log=log))
+        name = f"tiny-world warm start ({ws.steps} supervised steps, seed {ws.seed})"
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         # WHY fp32: AdamW on bf16 weights rounds lr-1e-6 updates away; bf16 compute comes from autocast.
@@ -425,8 +428,39 @@ def main(argv=None) -> dict:
     return summary
 
 
+def summarize(run_dirs: list[str]) -> str:
+    """A markdown table, mean ± std over runs, from each run's summary.json (for the README's results)."""
+    import statistics
+    runs = []
+    for d in run_dirs:
+        path = Path(d) / "summary.json"
+        if not path.is_file():
+            raise InputError(f"{path} does not exist (did that run finish?)")
+        runs.append(json.loads(path.read_text()))
+
+    def ms(key, scale=1.0, fmt="{:.1f}"):
+        xs = [r[key] * scale for r in runs]
+        sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+        return f"{fmt.format(statistics.mean(xs))} ± {fmt.format(sd)}"
+
+    seeds = ", ".join(str(r["train_config"]["seed"]) for r in runs)
+    rows = [f"| runs (seeds) | {len(runs)} ({seeds}) |", "|---|---|",
+            f"| model | {runs[0]['model']} |", f"| held-out problems | {runs[0]['eval_size']} |",
+            f"| GRPO steps | {runs[0]['steps']} |",
+            f"| accuracy before GRPO (%) | {ms('accuracy_before', 100)} |",
+            f"| accuracy after GRPO (%) | {ms('accuracy_after', 100)} |",
+            f"| change (points) | {ms('accuracy_gain', 100)} (each run: "
+            + ", ".join(f"{100 * r['accuracy_gain']:+.1f}" for r in runs) + ") |",
+            f"| wall time per run (min) | {ms('wall_seconds', 1 / 60)} |",
+            f"| device, torch threads | {runs[0]['device']}, {runs[0]['torch_threads']} |"]
+    return "\n".join(rows)
+
+
 if __name__ == "__main__":
     try:
+        if sys.argv[1:2] == ["summarize"]:
+            print(summarize(sys.argv[2:]))
+            sys.exit(0)
         main()
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -98,6 +98,32 @@ def test_tiny_problems_are_gsm8k_format_and_splits_are_disjoint():
         assert rewards.correctness_reward([r["answer"]], [r["answer"]]) == [1.0]
 
 
+@pytest.mark.parametrize("x, op, y, careless", [
+    (48, "+", 27, 65),    # 8+7=15 -> 5, 4+2=6: the carry is forgotten
+    (52, "-", 17, 45),    # 2-7 -> 7-2=5, 5-1=4: smaller digit from larger instead of borrowing
+    (95, "+", 8, 93),     # 5+8=13 -> 3, 9+0=9
+    (100, "-", 1, 101),   # 0-1 -> 1, 0-0=0, 1-0=1
+    (12, "+", 3, None),   # no carry: nothing to forget
+    (57, "-", 23, None),  # no borrow
+    (6, "*", 7, None),    # only + and - slip
+])
+def test_slipped_arithmetic(x, op, y, careless):
+    assert tiny_world.slipped(x, op, y) == careless
+
+
+def test_slips_flow_into_the_final_answer_and_never_reach_the_gold():
+    """Same seed, same questions; with slip_rate 1 every carry/borrow is forgotten and later steps use the
+    wrong value. About a third of problems have one. The default (slip_rate 0) is always right."""
+    import rewards
+    clean = tiny_world.make_problems(2000, "train", seed=3)
+    careless = tiny_world.make_problems(2000, "train", seed=3, slip_rate=1.0)
+    assert [r["question"] for r in clean] == [r["question"] for r in careless]
+    wrong = [c for c, s in zip(clean, careless) if rewards.correctness_reward([s["answer"]], [c["answer"]]) == [0.0]]
+    assert 0.25 < len(wrong) / 2000 < 0.5
+    chained = tiny_world.solve([(48, "+", 27), (tiny_world.P, "*", 2)], slip_rate=1.0, rng=__import__("random").Random(0))
+    assert chained[1] == 130 and "65*2=<<65*2=130>>130" in chained[0]
+
+
 # --- bad input: one line, exit code 2, nothing written ----------------------------------------------
 def write(path, text):
     path.parent.mkdir(parents=True, exist_ok=True)
