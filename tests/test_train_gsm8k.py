@@ -141,6 +141,7 @@ GOOD = json.dumps({"question": "1+1?", "answer": "1+1=<<1+1=2>>2\n#### 2"})
     ("missing_field", "train.jsonl:3: expected an object with string fields 'question' and 'answer'"),
     ("no_final_number", "test.jsonl:1: the answer has no final number"),
     ("model_dir", "model directory ./no/such/model does not exist"),
+    ("hub_offline", "cannot load model 'nobody/no-such-model'"),
     ("group_size", "--group-size must be at least 2"),
     ("beta", "--beta must be >= 0"),
 ])
@@ -154,6 +155,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, case, expected):
             "missing_field": ["--data", str(data)],
             "no_final_number": ["--data", str(data)],
             "model_dir": ["--model", "./no/such/model", "--data", str(data)],
+            "hub_offline": ["--model", "nobody/no-such-model", "--data", str(data)],
             "group_size": ["--group-size", "1"],
             "beta": ["--beta", "-0.1"]}[case]
     if case == "bad_json":
@@ -203,3 +205,20 @@ def test_qwen_preset_code_path_on_local_qwen2_and_gsm8k(tmp_path):
     assert samples[0]["prompt"].endswith("<|im_start|>assistant\n")
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
     assert (out / "final" / "config.json").exists()
+
+
+def test_hub_dataset_without_datasets_installed_is_a_clear_error(monkeypatch, tmp_path):
+    """--data openai/gsm8k loads with `datasets`; without it the user is told what to do, in one line."""
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` raise ImportError
+    with pytest.raises(train_gsm8k.InputError, match="needs `pip install datasets`"):
+        train_gsm8k.main(["--data", "openai/gsm8k", "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_flags_override_the_preset_which_overrides_the_defaults():
+    tcfg, gcfg = train_gsm8k.parse_args(["--preset", "qwen2.5-0.5b", "--lr", "2e-6", "--no-bf16"])
+    assert tcfg.model == "Qwen/Qwen2.5-0.5B-Instruct" and tcfg.bf16 is False   # preset, then flag
+    assert gcfg.lr == 2e-6 and gcfg.max_new_tokens == 512                       # flag, preset
+    assert gcfg.beta == 0.04 and gcfg.clip_eps == 0.2                           # paper defaults
+    tcfg, gcfg = train_gsm8k.parse_args([])
+    assert tcfg.preset == "tiny" and tcfg.data == "tiny" and gcfg.max_new_tokens == 96
