@@ -215,8 +215,8 @@ class WarmStartConfig:
     """Transformer blocks."""
     heads: int = 4
     """Attention heads."""
-    steps: int = 800
-    """Supervised steps. Our choice: few enough that the model is still partly wrong, so RL has work to do."""
+    steps: int = 1600
+    """Supervised steps. Measured: held-out accuracy plateaus near 57% from about step 1,200 (the slips)."""
     batch_size: int = 32
     """Problems per supervised step."""
     lr: float = 2e-3

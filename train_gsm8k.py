@@ -73,7 +73,7 @@ class TrainConfig:
     """System message for models with a chat template; empty for none."""
     threads: int = 0
     """CPU threads for torch (0: torch's default). Set it when timing."""
-    warm_start_steps: int = 800
+    warm_start_steps: int = 1600
     """Tiny world only: supervised steps of the warm start (a cached checkpoint per setting)."""
     warm_start_seed: int = 0
     """Tiny world only: seed of the warm start. Fixed by default, so every --seed starts from one model."""
@@ -456,12 +456,21 @@ def summarize(run_dirs: list[str]) -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":
+def cli(argv=None) -> int:
+    """The command line: runs main (or `summarize DIR...`); bad input is one line on stderr and exit code 2."""
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        if sys.argv[1:2] == ["summarize"]:
-            print(summarize(sys.argv[2:]))
-            sys.exit(0)
-        main()
+        if argv[:1] == ["summarize"]:
+            print(summarize(argv[1:]))
+        else:
+            main(argv)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    except SystemExit as e:  # argparse: --help (0) or a bad flag (2), already printed
+        return e.code if isinstance(e.code, int) else 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

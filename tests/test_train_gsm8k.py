@@ -145,7 +145,7 @@ GOOD = json.dumps({"question": "1+1?", "answer": "1+1=<<1+1=2>>2\n#### 2"})
     ("group_size", "--group-size must be at least 2"),
     ("beta", "--beta must be >= 0"),
 ])
-def test_bad_input_is_one_line_and_writes_nothing(tmp_path, case, expected):
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, case, expected, capsys, monkeypatch):
     data = tmp_path / "data"
     write(data / "train.jsonl", GOOD + "\n")
     write(data / "test.jsonl", GOOD + "\n")
@@ -165,11 +165,20 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, case, expected):
     if case == "no_final_number":
         write(data / "test.jsonl", json.dumps({"question": "q", "answer": "no number"}) + "\n")
     out = tmp_path / "out"
-    proc = run_script(*args, "--out", str(out), env_extra={"GRPO_TINY_CACHE": str(tmp_path / "cache")})
-    assert proc.returncode == 2
-    assert expected in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    monkeypatch.setenv("GRPO_TINY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert train_gsm8k.cli([*args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err
+    assert len(err.strip().splitlines()) == 1, err
     assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+def test_bad_input_from_the_real_command_line(tmp_path):
+    """The same path through a real process: exit code 2 and a single line on stderr."""
+    proc = run_script("--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("error: --data")
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
 # --- the qwen2.5-0.5b preset's code path, on a small local Qwen2 ------------------------------------
