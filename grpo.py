@@ -45,7 +45,7 @@ import copy
 import inspect
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch

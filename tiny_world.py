@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -268,11 +269,7 @@ def warm_start(cfg: WarmStartConfig = WarmStartConfig(), cache_dir: Path | None 
     log(f"warm start: {n_params / 1e6:.2f} M parameters, {cfg.steps} supervised steps -> {out}")
     t0 = time.perf_counter()
     model.train()
-    try:
-        from tqdm.auto import tqdm
-        bar = tqdm(range(cfg.steps), desc="warm start", unit="step", leave=False)
-    except ImportError:  # pragma: no cover
-        bar = range(cfg.steps)
+    bar = tqdm(range(cfg.steps), desc="warm start", unit="step", leave=False)
     for step in bar:
         loss = supervised_loss(model, tokenizer, rows[step * cfg.batch_size:(step + 1) * cfg.batch_size])
         opt.zero_grad(set_to_none=True)
@@ -280,8 +277,7 @@ def warm_start(cfg: WarmStartConfig = WarmStartConfig(), cache_dir: Path | None 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if hasattr(bar, "set_postfix"):
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+        bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
 
     cache_dir.mkdir(parents=True, exist_ok=True)

@@ -233,8 +233,9 @@ def load_model(tcfg: TrainConfig, log=print):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if tcfg.model:
         name = tcfg.model
-        looks_local = name.startswith((".", "/", "~")) or os.sep in name.strip("/").split("/", 1)[-1] \
-            or Path(name).expanduser().exists()
+        # A hub id is "name" or "org/name"; anything that exists on disk, starts like a path or has more
+        # slashes is a local directory.
+        looks_local = Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
         if looks_local and not Path(name).expanduser().is_dir():
             raise InputError(f"model directory {name} does not exist")
         path = str(Path(name).expanduser()) if looks_local else name

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import grpo
 import tiny_world
 import train_gsm8k
 
