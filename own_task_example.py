@@ -1,8 +1,9 @@
 """
 own_task_example.py -- the template for training GRPO on YOUR task: your rows, your reward, grpo.py's step.
 
-The task here: reverse a string of three digits ("307" -> "703"). A randomly initialised tiny model learns
-it from a partial-credit reward alone, offline, on a CPU, in about 15 seconds:
+The task here: reverse a string of three digits ("307" -> "703"). A randomly initialised tiny model gets
+better at it from a partial-credit reward alone (mean reward from chance, 0.1, to about 0.4 in 150 steps),
+offline, on a CPU, in about 15 seconds:
 
     python own_task_example.py            # prints the reward every 25 steps, then a few greedy answers
 
@@ -58,7 +59,7 @@ def main(steps: int = 200, seed: int = 0, log=print) -> list[float]:
                            columns={"target": [r["target"] for r in batch]})
         history.append(m["reward"])
         if (step + 1) % 25 == 0:
-            log(f"step {step + 1:4d}  reward {sum(history[-25:]) / 25:.3f}  kl {m['kl']:.4f}")
+            log(f"step {step + 1:4d}  reward {sum(history[-25:]) / 25:.3f}  entropy {m['entropy']:.3f}")
 
     test = make_rows(5, seed=seed + 1)
     greedy = grpo.sample_completions(model, tok, [r["prompt"] for r in test],
