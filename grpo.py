@@ -133,12 +133,15 @@ def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig, gr
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
 
     was_training = model.training
-    model.eval()  # WHY: with gradient checkpointing, train mode turns the KV cache off and generation crawls.
-    out = model.generate(
-        input_ids=prompt_ids, attention_mask=prompt_mask,
+    if greedy:
+        decoding = dict(do_sample=False)
+    else:
         # NOTE: transformers otherwise applies top_k=50 from its defaults; the samples must come from
         # exactly the distribution whose log-probs the loss uses, so switch every truncation off.
-        **(dict(do_sample=False) if greedy else dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0)),
+        decoding = dict(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0)
+    model.eval()  # WHY: with gradient checkpointing, train mode turns the KV cache off and generation crawls.
+    out = model.generate(
+        input_ids=prompt_ids, attention_mask=prompt_mask, **decoding,
         max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
         eos_token_id=eos_ids, pad_token_id=pad_id, use_cache=True,
     )                                                                            # (N, P+T)

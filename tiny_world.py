@@ -238,12 +238,31 @@ def supervised_loss(model, tokenizer, rows: list[dict]) -> torch.Tensor:
     """Mean cross-entropy of the solution tokens (and the final EOS) given the question. Prompt tokens are masked."""
     prompts = [prompt_of(r["question"]) for r in rows]
     texts = [p + r["answer"] + tokenizer.eos_token for p, r in zip(prompts, rows)]
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
     labels = enc["input_ids"].clone()                                              # (n, L)
     labels[enc["attention_mask"] == 0] = -100
     for i, p in enumerate(prompts):
         labels[i, :len(p)] = -100  # WHY: one token per character, so the prompt is exactly len(p) tokens
     return model(**enc, labels=labels).loss
+
+
+def save_pretrained_atomic(model, tokenizer, path: Path, extra_files: dict[str, str] | None = None) -> Path:
+    """`save_pretrained` the model and tokenizer (plus any extra text files) into a temporary sibling
+    directory, then rename it to `path`, so a crash while writing never leaves a half-written checkpoint."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)  # atomic on one filesystem
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
 
 
 def warm_start(cfg: WarmStartConfig = WarmStartConfig(), cache_dir: Path | None = None, log=print) -> Path:
@@ -280,18 +299,7 @@ def warm_start(cfg: WarmStartConfig = WarmStartConfig(), cache_dir: Path | None 
         bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
 
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-warm-start-", dir=cache_dir))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "warm_start.json").write_text(json.dumps(
-            {**asdict(cfg), "final_loss": loss.item(), "seconds": time.perf_counter() - t0}, indent=1))
-        os.replace(tmp, out)  # atomic on one filesystem; a racing builder that got there first wins
-    except OSError:
-        if not (out / "config.json").exists():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    save_pretrained_atomic(model, tokenizer, out, extra_files={"warm_start.json": json.dumps(
+        {**asdict(cfg), "final_loss": loss.item(), "seconds": time.perf_counter() - t0}, indent=1)})
     log(f"warm start: done in {time.perf_counter() - t0:.0f} s, final loss {loss.item():.3f}")
     return out

@@ -29,9 +29,7 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -301,16 +299,6 @@ def plot_curves(metrics: list[dict], evals: list[tuple[int, float]], path: Path)
     plt.close(fig)
 
 
-def save_model_atomic(model, tokenizer, path: Path):
-    """save_pretrained into a temporary sibling directory, then rename it into place."""
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-final-", dir=path.parent))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
-
-
 # ----------------------------------------------------------------------------------------------
 # The run
 # ----------------------------------------------------------------------------------------------
@@ -411,7 +399,8 @@ def main(argv=None) -> dict:
     evals.append((tcfg.steps, acc_after))
     wall = time.perf_counter() - t_start
 
-    save_model_atomic(policy, tokenizer, out / "final")
+    import tiny_world
+    tiny_world.save_pretrained_atomic(policy, tokenizer, out / "final")
     plot_curves(metrics_log, evals, out / "curves.png")
     summary = {
         "accuracy_before": acc_before, "accuracy_after": acc_after, "accuracy_gain": acc_after - acc_before,
