@@ -91,6 +91,35 @@ class GRPOConfig:
     reward_weights: list[float] | None = None
     """One weight per reward function; None means all 1.0. The total reward is the weighted sum."""
 
+    def __post_init__(self):
+        """Settings that cannot work fail here, at construction, with one line naming the field."""
+        checks = [
+            (self.group_size >= 2,
+             f"group_size must be at least 2 (a group baseline needs 2), got {self.group_size}"),
+            (self.beta >= 0, f"beta must be >= 0, got {self.beta}"),
+            (self.clip_eps > 0, f"clip_eps must be > 0, got {self.clip_eps}"),
+            (self.clip_eps_high is None or self.clip_eps_high > 0,
+             f"clip_eps_high must be > 0, got {self.clip_eps_high}"),
+            (self.num_iterations >= 1, f"num_iterations must be >= 1, got {self.num_iterations}"),
+            (self.loss_type in LOSS_TYPES, f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}"),
+            (self.adv_eps >= 0, f"adv_eps must be >= 0, got {self.adv_eps}"),
+            (self.temperature > 0, f"temperature must be > 0, got {self.temperature}"),
+            (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
+            (0 <= self.min_new_tokens <= self.max_new_tokens,
+             f"min_new_tokens must be from 0 to max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}"),
+            (self.lr > 0, f"lr must be > 0, got {self.lr}"),
+            (self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}"),
+            (self.max_grad_norm > 0, f"max_grad_norm must be > 0, got {self.max_grad_norm}"),
+            # NOTE: no batch size has to divide another: the last micro-batch may be smaller, and
+            #       micro_batch_weights keeps the summed gradient equal to the full-batch one (tested).
+            (self.micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {self.micro_batch_size}"),
+            (self.reward_weights is None or all(math.isfinite(w) for w in self.reward_weights),
+             f"reward_weights must be finite numbers, got {self.reward_weights}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
 
 # ----------------------------------------------------------------------------------------------
 # 1. Sample a group of G completions per prompt
@@ -118,12 +147,14 @@ def completion_mask_from_ids(completion_ids: torch.Tensor, eos_ids: Sequence[int
 
 
 @torch.no_grad()
-def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig, greedy: bool = False) -> dict:
+def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig, greedy: bool = False,
+                       group_size: int | None = None) -> dict:
     """Sample G completions for each of B prompt strings. Returns a dict of tensors (rows grouped by prompt).
 
-    greedy=True decodes the single most likely completion instead (for evaluation; use group_size=1).
+    greedy=True decodes the single most likely completion instead (for evaluation, with group_size=1).
+    group_size overrides cfg.group_size (evaluation samples one completion per prompt).
     """
-    G = cfg.group_size
+    G = cfg.group_size if group_size is None else group_size
     device = next(model.parameters()).device
     # WHY: left padding puts every prompt's last token at the same column, so generation starts together.
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
@@ -415,6 +446,7 @@ def grpo_step(policy, ref_model, optimizer, tokenizer, prompts: list[str], rewar
     entropy_sum, grad_norm, skipped = 0.0, 0.0, 0
     for it in range(mu):
         optimizer.zero_grad(set_to_none=True)
+        loss_this_update = 0.0
         for s, w, share in zip(slices, weights, tok_share):
             logp, entropy = token_logprobs(policy, *args(s), cfg.temperature, with_entropy=True)   # (n, T), (n, T)
             old = logp.detach() if logp_old is None else logp_old[s]                               # (n, T)
@@ -424,17 +456,19 @@ def grpo_step(policy, ref_model, optimizer, tokenizer, prompts: list[str], rewar
                                     loss_type=cfg.loss_type, max_completion_length=cfg.max_new_tokens)
             # WHY: weighting each micro-batch makes the summed gradient equal the full-batch gradient.
             (loss * w).backward()
-            sums["loss"] += loss.item() * w / mu
+            loss_this_update += loss.item() * w
             for k in ("kl", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region"):
                 sums[k] += stats[k] * share / mu
             if it == 0:
                 m = completion_mask[s].float()
                 entropy_sum += (entropy * m).sum().item()
+        sums["loss"] += loss_this_update / mu
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm).item()
-        if math.isfinite(grad_norm):
+        if math.isfinite(grad_norm) and math.isfinite(loss_this_update):
             optimizer.step()
         else:
-            # WHY: one non-finite gradient would poison every weight through Adam's moments; skip the update.
+            # WHY: one non-finite gradient would poison every weight through Adam's moments; skip the update,
+            #      leave the weights and the optimizer state untouched, and count it (metric skipped_updates).
             skipped += 1
         optimizer.zero_grad(set_to_none=True)
 

@@ -63,7 +63,7 @@ def main(steps: int = 200, seed: int = 0, log=print) -> list[float]:
 
     test = make_rows(5, seed=seed + 1)
     greedy = grpo.sample_completions(model, tok, [r["prompt"] for r in test],
-                                     grpo.GRPOConfig(group_size=1, max_new_tokens=4), greedy=True)
+                                     grpo.GRPOConfig(max_new_tokens=4), greedy=True, group_size=1)
     for r, c in zip(test, greedy["completions"]):
         log(f"{r['prompt']} -> {c!r} (want {r['target']})")
     return history

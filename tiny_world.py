@@ -246,20 +246,24 @@ def supervised_loss(model, tokenizer, rows: list[dict]) -> torch.Tensor:
     return model(**enc, labels=labels).loss
 
 
-def save_pretrained_atomic(model, tokenizer, path: Path, extra_files: dict[str, str] | None = None) -> Path:
-    """`save_pretrained` the model and tokenizer (plus any extra text files) into a temporary sibling
-    directory, then rename it to `path`, so a crash while writing never leaves a half-written checkpoint."""
+def save_pretrained_atomic(model, tokenizer, path: Path, extra_files: dict[str, str | bytes] | None = None) -> Path:
+    """`save_pretrained` the model and tokenizer (plus any extra files) into a temporary sibling directory,
+    then rename it to `path`, so a crash while writing never leaves a half-written checkpoint."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)  # atomic on one filesystem
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data if isinstance(data, bytes) else data.encode())
+        if path.exists():  # WHY: move the old one aside first, so `path` is never a half-deleted directory
+            old = Path(tempfile.mkdtemp(prefix=f".old-{path.name}-", dir=path.parent))
+            os.replace(path, old / path.name)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)  # atomic on one filesystem
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path

@@ -29,6 +29,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -77,6 +78,12 @@ class TrainConfig:
     """Tiny world only: seed of the warm start. Fixed by default, so every --seed starts from one model."""
     sample_every: int = 10
     """Every this many steps, write a few completions with their rewards to samples.jsonl."""
+    save_every: int = 20
+    """Checkpoint (model, optimizer, RNG, step, evaluations) every this many steps and at the end; 0: at the end."""
+    resume: str = ""
+    """A previous run's --out directory: continue it from its last checkpoint, with its own settings."""
+    max_bad_steps: int = 3
+    """Stop the run after this many steps in a row whose loss or gradient was not finite (each is skipped)."""
     out: str = ""
     """Output directory. Empty: runs/<preset>-<date>-<time>."""
 
@@ -97,6 +104,7 @@ PRESETS = {
         dict(model="Qwen/Qwen2.5-0.5B-Instruct", data="openai/gsm8k",
              prompts_per_step=8, steps=200, eval_batch_size=64,
              bf16=True, gradient_checkpointing=True,          # fits a 24 GB card with fp32 AdamW state
+             save_every=50,                                   # a checkpoint is ~6 GB (weights + AdamW state)
              system_prompt=GSM8K_SYSTEM_PROMPT),              # ask for GSM8K's '####' layout
         dict(group_size=8, lr=1e-6,                           # paper §4.2: lr 1e-6
              max_new_tokens=512,                              # GSM8K answers are long; a short cap zeroes reward
@@ -139,8 +147,13 @@ class OneLineErrorParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+# With --resume, the run keeps the settings it was started with; only these may change (none alters the math).
+RESUME_MAY_CHANGE = {"resume", "steps", "save_every", "sample_every", "threads", "device", "eval_batch_size",
+                     "max_bad_steps"}
+
+
 def parse_args(argv=None) -> tuple[TrainConfig, grpo.GRPOConfig]:
-    """Flags override the preset, which overrides the dataclass defaults."""
+    """Flags override the preset, which overrides the dataclass defaults. --resume DIR: DIR's saved settings."""
     parser = OneLineErrorParser(
         description="Train a causal LM with GRPO on GSM8K-style problems and report held-out accuracy "
                     "before and after. Defaults follow --preset; any flag overrides it.")
@@ -148,10 +161,24 @@ def parse_args(argv=None) -> tuple[TrainConfig, grpo.GRPOConfig]:
     add_dataclass_flags(parser, grpo.GRPOConfig, "GRPO (grpo.GRPOConfig)")
     parser._option_string_actions["--preset"].choices = list(PRESETS)
     args = vars(parser.parse_args(argv))
-    train_over, grpo_over = PRESETS[args.get("preset", TrainConfig.preset)]
     train_names = {f.name for f in dataclasses.fields(TrainConfig)}
+    if args.get("resume"):
+        state = json.loads((latest_checkpoint(Path(args["resume"])) / "state.json").read_text())
+        saved = {**state["grpo_config"], **state["train_config"]}
+        for k, v in args.items():
+            if k not in RESUME_MAY_CHANGE and v != saved.get(k):
+                may_change = ", ".join("--" + n.replace("_", "-") for n in sorted(RESUME_MAY_CHANGE))
+                raise InputError(f"--resume continues a run with the settings it was started with; "
+                                 f"--{k.replace('_', '-')} was {saved.get(k)!r} there (only {may_change} may change)")
+        train_over, grpo_over = state["train_config"], state["grpo_config"]
+    else:
+        train_over, grpo_over = PRESETS[args.get("preset", TrainConfig.preset)]
     tcfg = TrainConfig(**{**train_over, **{k: v for k, v in args.items() if k in train_names}})
-    gcfg = grpo.GRPOConfig(**{**grpo_over, **{k: v for k, v in args.items() if k not in train_names}})
+    try:
+        gcfg = grpo.GRPOConfig(**{**grpo_over, **{k: v for k, v in args.items() if k not in train_names}})
+    except ValueError as e:  # "group_size must be ..." -> "--group-size must be ...", the flag the user typed
+        field, _, rest = str(e).partition(" ")
+        raise InputError(f"--{field.replace('_', '-')} {rest}") from None
     return tcfg, gcfg
 
 
@@ -258,13 +285,13 @@ def load_model(tcfg: TrainConfig, log=print):
 # ----------------------------------------------------------------------------------------------
 def evaluate(model, tokenizer, rows, tcfg: TrainConfig, gcfg: grpo.GRPOConfig, desc="eval") -> float:
     from tqdm.auto import tqdm
-    cfg = dataclasses.replace(gcfg, group_size=1)
     correct = 0.0
     for i in tqdm(range(0, len(rows), tcfg.eval_batch_size), desc=desc, leave=False, unit="batch"):
         chunk = rows[i:i + tcfg.eval_batch_size]
         prompts = [make_prompt(tokenizer, r["question"], tcfg.system_prompt) for r in chunk]
-        out = grpo.sample_completions(model, tokenizer, prompts, cfg, greedy=True)
-        correct += sum(rewards.correctness_reward(out["completions"], [r["answer"] for r in chunk]))
+        out = grpo.sample_completions(model, tokenizer, prompts, gcfg, greedy=True, group_size=1)
+        correct += sum(rewards.correctness_reward(out["completions"], [r["answer"] for r in chunk], prompts=prompts,
+                                                  question=[r["question"] for r in chunk]))
     return correct / max(1, len(rows))
 
 
@@ -300,22 +327,19 @@ def plot_curves(metrics: list[dict], evals: list[tuple[int, float]], path: Path)
 
 
 # ----------------------------------------------------------------------------------------------
-# The run
+# Validation, up front
 # ----------------------------------------------------------------------------------------------
 def validate(tcfg: TrainConfig, gcfg: grpo.GRPOConfig):
-    """Settings that cannot work fail here, before any model is loaded."""
+    """Run settings that cannot work fail here, before any model is loaded (GRPOConfig checks its own)."""
     checks = [
-        (gcfg.group_size >= 2, f"--group-size must be at least 2 (a group baseline needs 2), got {gcfg.group_size}"),
         (tcfg.steps >= 0, f"--steps must be >= 0, got {tcfg.steps}"),
         (tcfg.prompts_per_step >= 1, f"--prompts-per-step must be >= 1, got {tcfg.prompts_per_step}"),
         (tcfg.eval_size >= 1, f"--eval-size must be >= 1, got {tcfg.eval_size}"),
-        (gcfg.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {gcfg.max_new_tokens}"),
-        (gcfg.beta >= 0, f"--beta must be >= 0, got {gcfg.beta}"),
-        (gcfg.clip_eps > 0, f"--clip-eps must be > 0, got {gcfg.clip_eps}"),
-        (gcfg.num_iterations >= 1, f"--num-iterations must be >= 1, got {gcfg.num_iterations}"),
-        (gcfg.micro_batch_size >= 1, f"--micro-batch-size must be >= 1, got {gcfg.micro_batch_size}"),
-        (gcfg.loss_type in grpo.LOSS_TYPES, f"--loss-type must be one of {grpo.LOSS_TYPES}, got {gcfg.loss_type!r}"),
-        (gcfg.temperature > 0, f"--temperature must be > 0, got {gcfg.temperature}"),
+        (tcfg.eval_batch_size >= 1, f"--eval-batch-size must be >= 1, got {tcfg.eval_batch_size}"),
+        (tcfg.sample_every >= 1, f"--sample-every must be >= 1, got {tcfg.sample_every}"),
+        (tcfg.save_every >= 0, f"--save-every must be >= 0, got {tcfg.save_every}"),
+        (tcfg.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {tcfg.max_bad_steps}"),
+        (tcfg.threads >= 0, f"--threads must be >= 0, got {tcfg.threads}"),
         (gcfg.reward_weights is None or len(gcfg.reward_weights) == len(REWARD_FUNCS),
          f"--reward-weights needs {len(REWARD_FUNCS)} values ({', '.join(f.__name__ for f in REWARD_FUNCS)})"),
     ]
@@ -330,6 +354,86 @@ REWARD_FUNCS = [rewards.correctness_reward, rewards.format_reward]
 DEFAULT_REWARD_WEIGHTS = [1.0, 0.0]
 
 
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: out/checkpoint-<step>/, written whole or not at all
+# ----------------------------------------------------------------------------------------------
+class TrainingStopped(Exception):
+    """The run cannot go on (e.g. non-finite losses in a row). Printed as one line, exit code 1."""
+
+
+def latest_checkpoint(run_dir: Path) -> Path:
+    """The newest complete checkpoint in a run directory. Incomplete ones never have this name (see below)."""
+    found = sorted(run_dir.glob("checkpoint-*/state.json"))
+    if not found:
+        raise InputError(f"--resume {run_dir}: no checkpoint there (a run writes checkpoint-<step>/ every "
+                         f"--save-every steps)")
+    return found[-1].parent
+
+
+def all_finite(model) -> bool:
+    import torch
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def save_checkpoint(out: Path, policy, tokenizer, optimizer, state: dict):
+    """Everything a resumed run needs: weights and tokenizer (save_pretrained), AdamW moments, every RNG,
+    and the run's own state (step, evaluations, settings) in state.json.
+
+    WHY crash-safe: tiny_world.save_pretrained_atomic writes into a temporary directory and renames it to
+    checkpoint-<step>, a name that never existed before; only then is the previous checkpoint deleted.
+    A kill at any moment leaves at least one complete checkpoint, and latest_checkpoint picks the newest.
+    """
+    import io
+    import torch
+    import tiny_world
+    if not all_finite(policy):  # WHY: never write a poisoned checkpoint over a good one
+        raise TrainingStopped(f"refusing to save a checkpoint at step {state['step']}: the weights are not finite")
+    trainer = io.BytesIO()
+    torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                "python_rng": random.getstate()}, trainer)
+    path = tiny_world.save_pretrained_atomic(
+        policy, tokenizer, out / f"checkpoint-{state['step']:06d}",
+        extra_files={"state.json": json.dumps(state, indent=1), "trainer_state.pt": trainer.getvalue()})
+    for old in out.glob("checkpoint-*"):
+        if old != path:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(ckpt: Path, device: str, gcfg: grpo.GRPOConfig):
+    """(policy, optimizer, state) from a checkpoint directory; restores every RNG as it was when saved."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    policy = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    policy = grpo.disable_dropout(policy).to(device)
+    optimizer = grpo.make_optimizer(policy, gcfg)
+    trainer = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    optimizer.load_state_dict(trainer["optimizer"])
+    torch.set_rng_state(trainer["torch_rng"])
+    if trainer["cuda_rng"]:
+        torch.cuda.set_rng_state_all(trainer["cuda_rng"])
+    random.setstate(trainer["python_rng"])
+    return policy, optimizer, json.loads((ckpt / "state.json").read_text())
+
+
+def keep_lines_up_to(path: Path, step: int):
+    """Rewrite a JSONL log keeping the lines of steps <= `step` (a resumed run redoes the later ones).
+    A torn last line, from a kill while writing, is dropped."""
+    kept = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------
 def main(argv=None) -> dict:
     tcfg, gcfg = parse_args(argv)
     if gcfg.reward_weights is None:
@@ -342,43 +446,68 @@ def main(argv=None) -> dict:
         torch.set_num_threads(tcfg.threads)
     device = resolve_device(tcfg.device)
     train_rows, eval_rows = load_data(tcfg, n_train=tcfg.steps * tcfg.prompts_per_step)
+    policy, tokenizer, model_name = load_model(tcfg, log=tqdm.write)
+    if not all_finite(policy):
+        raise InputError(f"model {model_name!r} has non-finite weights")
+    policy = grpo.disable_dropout(policy).to(device)
+    # PAPER: the reference is the model GRPO starts from; a resumed run rebuilds it from the same source.
+    ref = grpo.make_reference(policy) if gcfg.beta != 0 else None
+    if ref is not None and tcfg.bf16:
+        ref = ref.to(torch.bfloat16)  # WHY (memory): the frozen reference never needs fp32 master weights
+    # WHY seed here, after loading: building the tiny warm start reseeds torch, so seeding earlier would make
+    #     the first run (which builds it) differ from later ones (which load it from the cache).
     torch.manual_seed(tcfg.seed)
     random.seed(tcfg.seed)
-    policy, tokenizer, model_name = load_model(tcfg, log=tqdm.write)
-    policy = grpo.disable_dropout(policy).to(device)
+    out = Path(tcfg.resume or tcfg.out or f"runs/{tcfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if tcfg.resume:
+        ckpt = latest_checkpoint(out)
+        for junk in [*out.glob(".tmp-*"), *out.glob(".old-*")]:  # left by a kill in the middle of a save
+            shutil.rmtree(junk, ignore_errors=True)
+        del policy
+        policy, optimizer, state = load_checkpoint(ckpt, device, gcfg)
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            keep_lines_up_to(out / name, state["step"])
+        tqdm.write(f"resuming {out} from {ckpt.name} (step {state['step']} of {tcfg.steps})")
+    else:
+        optimizer = grpo.make_optimizer(policy, gcfg)
+        state = {"step": 0, "evals": [], "wall_seconds": 0.0, "bad_in_a_row": 0, "skipped_updates": 0,
+                 "model": model_name}
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            (out / name).write_text("")
+    state.update(train_config=dataclasses.asdict(tcfg), grpo_config=dataclasses.asdict(gcfg))
     if tcfg.gradient_checkpointing:
         # NOTE: transformers 5 renamed it activation_checkpointing_enable; 4.x only has the old name.
         (getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable)()
         policy.config.use_cache = False
     policy.train()
-    ref = grpo.make_reference(policy) if gcfg.beta != 0 else None
-    if ref is not None and tcfg.bf16:
-        ref = ref.to(torch.bfloat16)  # WHY (memory): the frozen reference never needs fp32 master weights
-    optimizer = grpo.make_optimizer(policy, gcfg)
     autocast = torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=tcfg.bf16)
-
-    out = Path(tcfg.out or f"runs/{tcfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("metrics.jsonl", "samples.jsonl"):
-        (out / name).write_text("")
     tqdm.write(f"model: {model_name} ({sum(p.numel() for p in policy.parameters()) / 1e6:.2f} M parameters) "
                f"on {device}; data: {tcfg.data} ({len(train_rows)} train, {len(eval_rows)} held out); out: {out}")
 
-    t_start = time.perf_counter()
-    with autocast:
-        acc_before = evaluate(policy, tokenizer, eval_rows, tcfg, gcfg, desc="eval before")
-    tqdm.write(f"held-out greedy accuracy before GRPO: {acc_before:.3f} on {len(eval_rows)} problems")
+    t_start = time.perf_counter() - state["wall_seconds"]
+    if not state["evals"]:
+        with autocast:
+            state["evals"].append((0, evaluate(policy, tokenizer, eval_rows, tcfg, gcfg, desc="eval before")))
+        tqdm.write(f"held-out greedy accuracy before GRPO: {state['evals'][0][1]:.3f} on {len(eval_rows)} problems")
+    acc_before = state["evals"][0][1]
 
-    order = random.Random(tcfg.seed).sample(range(len(train_rows)), len(train_rows))
-    metrics_log, evals = [], [(0, acc_before)]
-    bar = tqdm(range(1, tcfg.steps + 1), desc="GRPO", unit="step")
+    # WHY: tiny-world problems come out of the generator in random order, and there are --steps x
+    #      --prompts-per-step of them; keeping that order means a run resumed with more --steps sees the same
+    #      problems first. A file's rows are shuffled with the seed.
+    order = (list(range(len(train_rows))) if tcfg.data == "tiny"
+             else random.Random(tcfg.seed).sample(range(len(train_rows)), len(train_rows)))
+    metrics_log = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    bar = tqdm(range(state["step"] + 1, tcfg.steps + 1), desc="GRPO", unit="step",
+               initial=state["step"], total=tcfg.steps)
     for step in bar:
         idx = [order[(i + (step - 1) * tcfg.prompts_per_step) % len(order)] for i in range(tcfg.prompts_per_step)]
         rows = [train_rows[i] for i in idx]
         prompts = [make_prompt(tokenizer, r["question"], tcfg.system_prompt) for r in rows]
         with autocast:
             m = grpo.grpo_step(policy, ref, optimizer, tokenizer, prompts, REWARD_FUNCS, gcfg,
-                               columns={"answer": [r["answer"] for r in rows]}, return_samples=True)
+                               columns={"answer": [r["answer"] for r in rows],
+                                        "question": [r["question"] for r in rows]}, return_samples=True)
         samples = m.pop("samples")
         m = {"step": step, **m}
         metrics_log.append(m)
@@ -392,11 +521,28 @@ def main(argv=None) -> dict:
         bar.set_postfix(reward=f"{m['reward']:.3f}", acc=f"{acc:.3f}", kl=f"{m['kl']:.4f}")
         tqdm.write(f"step {step:4d}/{tcfg.steps}  reward {m['reward']:.3f}  acc {acc:.3f}  "
                    f"zero-std {m['frac_reward_zero_std']:.2f}  kl {m['kl']:.4f}  "
-                   f"len {m['completions/mean_length']:.1f}  entropy {m['entropy']:.3f}  {m['step_time']:.1f}s")
+                   f"len {m['completions/mean_length']:.1f}  entropy {m['entropy']:.3f}  {m['step_time']:.1f}s"
+                   + ("  UPDATE SKIPPED (non-finite loss or gradient)" if m["skipped_updates"] else ""))
+
+        # Numerical safety: grpo_step already skipped any non-finite update; several in a row means the
+        # run itself is broken (a reward returning NaN, an lr far too high, bf16 overflow), so stop.
+        state["skipped_updates"] += m["skipped_updates"]
+        state["bad_in_a_row"] = state["bad_in_a_row"] + 1 if m["skipped_updates"] else 0
+        if state["bad_in_a_row"] >= tcfg.max_bad_steps:
+            kept = sorted(out.glob("checkpoint-*"))
+            raise TrainingStopped(
+                f"stopped at step {step}: {state['bad_in_a_row']} steps in a row had a non-finite loss or "
+                f"gradient, so their updates were skipped and the weights are untouched; "
+                f"{'the last checkpoint is ' + str(kept[-1]) if kept else 'no checkpoint was written'} "
+                f"(check the reward functions and --lr; metrics.jsonl shows each step)")
+        state["step"] = step
+        if (tcfg.save_every and step % tcfg.save_every == 0) or step == tcfg.steps:
+            state["wall_seconds"] = time.perf_counter() - t_start
+            save_checkpoint(out, policy, tokenizer, optimizer, state)
 
     with autocast:
         acc_after = evaluate(policy, tokenizer, eval_rows, tcfg, gcfg, desc="eval after")
-    evals.append((tcfg.steps, acc_after))
+    evals = state["evals"] + [(tcfg.steps, acc_after)]
     wall = time.perf_counter() - t_start
 
     import tiny_world
@@ -404,14 +550,15 @@ def main(argv=None) -> dict:
     plot_curves(metrics_log, evals, out / "curves.png")
     summary = {
         "accuracy_before": acc_before, "accuracy_after": acc_after, "accuracy_gain": acc_after - acc_before,
-        "steps": tcfg.steps, "wall_seconds": wall, "model": model_name, "data": tcfg.data,
+        "steps": tcfg.steps, "wall_seconds": wall, "model": state["model"], "data": tcfg.data,
         "eval_size": len(eval_rows), "device": device, "torch_threads": torch.get_num_threads(),
+        "skipped_updates": state["skipped_updates"],
         "train_config": dataclasses.asdict(tcfg), "grpo_config": dataclasses.asdict(gcfg),
     }
     write_json_atomic(out / "summary.json", summary)
     table = (f"\n| held-out greedy accuracy ({len(eval_rows)} problems) | before | after | change |\n"
              f"|---|---|---|---|\n"
-             f"| {model_name} | {acc_before:.3f} | {acc_after:.3f} | {acc_after - acc_before:+.3f} |\n"
+             f"| {state['model']} | {acc_before:.3f} | {acc_after:.3f} | {acc_after - acc_before:+.3f} |\n"
              f"\n{tcfg.steps} GRPO steps, {wall / 60:.1f} min on {device}; results in {out}/")
     print(table)
     (out / "results.md").write_text(table.lstrip() + "\n")
@@ -457,6 +604,9 @@ def cli(argv=None) -> int:
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingStopped as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except SystemExit as e:  # argparse: --help (0) or a bad flag (2), already printed
         return e.code if isinstance(e.code, int) else 2
     return 0

@@ -395,3 +395,50 @@ def test_non_finite_reward_skips_the_update():
                        ["Q1"], [nan_reward], cfg)
     assert m["skipped_updates"] == 1
     assert all(torch.equal(b, p) for b, p in zip(before, policy.parameters()))
+
+
+def test_non_finite_logits_in_the_training_pass_skip_the_update():
+    """Logits that overflow to inf/NaN in the forward pass with gradients (as bf16 can) poison the loss; the
+    update is skipped, the weights and AdamW's moments stay exactly as they were. Sampling is unaffected."""
+    tok = tiny_world.char_tokenizer()
+    cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=6, lr=1e-2, beta=0.04)
+    policy = tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0)
+    ref = grpo.make_reference(policy)
+    opt = grpo.make_optimizer(policy, cfg)
+    torch.manual_seed(0)
+    grpo.grpo_step(policy, ref, opt, tok, ["Q1", "Q22"], [contains_a], cfg)  # a normal step: Adam has state
+    before = [p.detach().clone() for p in policy.parameters()]
+    moments = {k: v.clone() for k, v in opt.state[next(policy.parameters())].items()}
+
+    def overflow(module, args, output):
+        if torch.is_grad_enabled():  # only the training forward pass, not generation or π_ref
+            output.logits[..., 0] = float("inf")
+        return output
+
+    policy.register_forward_hook(overflow)
+    m = grpo.grpo_step(policy, ref, opt, tok, ["Q1", "Q22"], [contains_a], cfg)
+    assert m["skipped_updates"] == 1 and not math.isfinite(m["loss"])
+    assert all(torch.equal(b, p) for b, p in zip(before, policy.parameters()))
+    after = opt.state[next(policy.parameters())]
+    assert all(torch.equal(v, after[k]) for k, v in moments.items())
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("group_size", 1, "group_size must be at least 2"),
+    ("beta", -0.1, "beta must be >= 0"),
+    ("clip_eps", 0.0, "clip_eps must be > 0"),
+    ("clip_eps_high", -0.2, "clip_eps_high must be > 0"),
+    ("num_iterations", 0, "num_iterations must be >= 1"),
+    ("loss_type", "sum", "loss_type must be one of"),
+    ("temperature", 0.0, "temperature must be > 0"),
+    ("max_new_tokens", 0, "max_new_tokens must be >= 1"),
+    ("min_new_tokens", 300, "min_new_tokens must be from 0 to max_new_tokens"),
+    ("lr", -1e-6, "lr must be > 0"),
+    ("max_grad_norm", 0.0, "max_grad_norm must be > 0"),
+    ("micro_batch_size", 0, "micro_batch_size must be >= 1"),
+    ("reward_weights", [1.0, float("nan")], "reward_weights must be finite"),
+])
+def test_config_values_that_cannot_work_fail_at_construction(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        grpo.GRPOConfig(**{field: value})
+    grpo.GRPOConfig()  # the defaults pass

@@ -40,7 +40,7 @@ CASES = [
     ("The answer is: $72", GOLD_72, 1.0, "'answer is:' with a dollar"),
     ("24 + 48 = 72", GOLD_72, 1.0, "last number in the text"),
     ("72 clips, or maybe 71", GOLD_72, 0.0, "last number is the final answer"),
-    ("1,2,3,72", GOLD_72, 1.0, "a comma list is not a thousands number: last number is 72"),
+    ("1,2,3,72", GOLD_72, 0.0, "a comma list is not a thousands number, and a list commits to nothing"),
     ("10-5=72", GOLD_72, 1.0, "subtraction, not a negative"),
     ("#### 72\n#### 71", GOLD_72, 0.0, "hedging: two #### lines that disagree"),
     ("\\boxed{72}\n#### 73", GOLD_72, 0.0, "hedging: box and #### disagree"),
@@ -107,3 +107,125 @@ def test_lengths_must_match():
 ])
 def test_format_reward(completion, expected):
     assert format_reward([completion]) == [expected]
+
+
+# --- adversarial completions: built to game the checker, each must earn nothing ---------------------------
+QUESTION = "Tom has 3 bags of 24 marbles and gives away 72. How many marbles did Tom have before?"
+GAMES = [
+    ("1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 72 73", "number list, space-separated"),
+    ("It is 70, 71, 72", "number list with commas, gold last"),
+    ("70 or 71 or 72", "number list with 'or', gold last"),
+    ("70\n71\n72", "number list one per line, gold last"),
+    ("$70 and $72", "number list with dollars"),
+    ("#### 72 or 73", "hedging inside one #### line"),
+    ("#### 71, 72", "a list inside one #### line"),
+    ("#### 72\n#### 72", "a repeated #### line"),
+    ("#### 71\n#### 72", "conflicting #### lines, gold last"),
+    ("#### 72\n#### 71", "conflicting #### lines, gold first"),
+    ("\\boxed{72} \\boxed{72}", "a repeated box"),
+    ("\\boxed{}", "an empty box"),
+    ("\\boxed{} \\boxed{72}", "an empty box next to a full one"),
+    ("\\boxed{71, 72, 73}", "a list inside a box"),
+    ("<answer>72</answer>" * 50, "answer-tag spam"),
+    ("<answer></answer><answer>72</answer>", "an empty tag next to a full one"),
+    ("The answer is 72 or 73.", "'answer is' followed by a list"),
+    (QUESTION, "the answer only inside an echo of the question"),
+    (QUESTION + " I am not sure.", "an echo of the question and no answer of its own"),
+    ("Let me think. " + "1 + 1 = 2. " * 1000 + "#### 72", "a very long output (past MAX_CHARS)"),
+    ("7" * 20_000, "a number with thousands of digits"),
+]
+
+
+@pytest.mark.parametrize("completion, why", GAMES, ids=[g[1] for g in GAMES])
+def test_adversarial_completions_earn_nothing(completion, why):
+    assert correctness_reward([completion], ["72"], question=[QUESTION]) == [0.0], why
+    assert format_reward([completion]) == [0.0], why
+
+
+def test_the_honest_answer_still_earns_next_to_each_game():
+    """The strict rules must not cost honest solutions: the same gold with a plain answer scores 1."""
+    honest = ["#### 72", "3*24=<<3*24=72>>72\n#### 72", "So 3 * 24 = 72", "\\boxed{72}",
+              QUESTION + "\n3*24=72\n#### 72", "The answer is 72."]
+    assert correctness_reward(honest, ["72"] * len(honest), question=[QUESTION] * len(honest)) == [1.0] * 6
+
+
+# --- fuzz: never raises, always fast -----------------------------------------------------------------------
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+# Text built from the pieces the checker looks for, so the fuzzer reaches every branch quickly.
+PIECES = st.sampled_from(["####", "\\boxed{", "{", "}", "<answer>", "</answer>", "answer is", "$", "-", "−",
+                          ",", ".", " ", "\n", "or", "and", "1", "72", "1,000", "3.5", "<<", ">>", "=", "*"])
+TEXT = st.one_of(st.text(max_size=2000), st.lists(PIECES, max_size=400).map("".join),
+                 st.tuples(st.lists(PIECES, max_size=50).map("".join), st.integers(1, 2500)).map(
+                     lambda t: t[0] * t[1]))
+
+
+def slowest_of_3_best(fn, *args) -> float:
+    """Seconds for one call: the best of 3, so a busy machine's stalls do not count."""
+    import time
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        fn(*args)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(TEXT)
+def test_fuzz_rewards_never_raise_and_take_milliseconds(text):
+    text = text[:100_000]
+    assert slowest_of_3_best(correctness_reward, [text], ["72"]) < 0.010
+    assert slowest_of_3_best(format_reward, [text]) < 0.010
+    assert correctness_reward([text], ["72"]) in ([0.0], [1.0])
+    assert format_reward([text]) in ([0.0], [1.0])
+
+
+@pytest.mark.parametrize("text", [
+    "<answer>" * 12_500,                        # 100 KB of unclosed tags
+    "\\boxed{" * 14_000,                         # 100 KB of unclosed boxes
+    "\\boxed{" * 5000 + "}" * 5000,              # deeply nested boxes
+    "1," * 50_000,                              # 100 KB number list
+    "9" * 100_000,                              # one 100,000-digit number
+    ("answer is 1 " * 900)[:9_999],             # just under MAX_CHARS: the slowest paths that still read
+    "\\boxed{" + "{}" * 4995,
+    ("1 2, 3 or " * 1000)[:9_999],
+    ("#### 1\n" * 1428)[:9_999],
+])
+def test_worst_case_inputs_take_milliseconds(text):
+    assert slowest_of_3_best(correctness_reward, [text], ["72"]) < 0.010
+    assert slowest_of_3_best(format_reward, [text]) < 0.010
+
+
+# --- safe arithmetic for model-written calculator annotations ---------------------------------------------
+from fractions import Fraction  # noqa: E402
+
+from rewards import evaluate_arithmetic  # noqa: E402
+
+
+@pytest.mark.parametrize("expression, value", [
+    ("48/2", Fraction(24)), ("48+24", Fraction(72)), ("63000-9400-9100-8300-9200-8900", Fraction(18100)),
+    ("(3+4)*1.5", Fraction(21, 2)), ("100*.25", Fraction(25)), ("-5+2", Fraction(-3)), ("10/3", Fraction(10, 3)),
+    ("0.1+0.2", Fraction(3, 10)),   # exact: not 0.30000000000000004
+    ("2×3", Fraction(6)), ("1,000*2", Fraction(2000)),
+])
+def test_arithmetic_is_exact(expression, value):
+    assert evaluate_arithmetic(expression) == value
+
+
+@pytest.mark.parametrize("expression", [
+    "__import__('os').system('echo hacked')",   # a call
+    "os.system",                                 # an attribute
+    "x + 1",                                     # a name
+    "9**9**9**9",                                # an exponent tower: ** is not in the whitelist at all
+    "2**10",
+    "9" * 5000,                                  # a number with thousands of digits
+    "1" + "*99999999999999" * 6,                 # a product far past MAX_MAGNITUDE
+    "1/0",
+    "[1, 2][0]", "lambda: 1", "1 if 1 else 2", "1 < 2", "'72'", "True + 1", "1e999", "(" * 5000 + "1" + ")" * 5000,
+    "", "  ", "1 +", "1; 2",
+])
+def test_arithmetic_refuses_anything_else_quickly(expression):
+    assert evaluate_arithmetic(expression) is None
+    assert slowest_of_3_best(evaluate_arithmetic, expression) < 0.005

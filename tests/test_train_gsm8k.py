@@ -230,3 +230,62 @@ def test_flags_override_the_preset_which_overrides_the_defaults():
     assert gcfg.beta == 0.04 and gcfg.clip_eps == 0.2                           # paper defaults
     tcfg, gcfg = train_gsm8k.parse_args([])
     assert tcfg.preset == "tiny" and tcfg.data == "tiny" and gcfg.max_new_tokens == 96
+
+
+# --- numerical safety: non-finite steps are skipped, counted, and several in a row stop the run ---------
+RUN_FLAGS = ["--warm-start-steps", "5", "--eval-size", "6", "--prompts-per-step", "2", "--group-size", "4",
+             "--max-new-tokens", "20", "--threads", "1", "--save-every", "1", "--max-bad-steps", "2"]
+
+
+def test_nan_rewards_from_step_3_are_skipped_then_stop_the_run(tmp_path, cache, monkeypatch, capsys):
+    """Steps 1-2 are normal; from step 3 on, one reward per step is NaN. Step 3 is skipped (weights untouched,
+    so its checkpoint holds exactly the weights after step 2), step 4 is the second bad step in a row and
+    stops the run with exit code 1 and one line. No checkpoint ever holds a NaN."""
+    from safetensors.torch import load_file
+    calls = {"n": 0}
+
+    def correctness_then_nan(completions, answer, **kw):
+        calls["n"] += 1
+        values = rewards_mod.correctness_reward(completions, answer)
+        return [float("nan")] + values[1:] if calls["n"] >= 3 else values
+
+    import rewards as rewards_mod
+    correctness_then_nan.__name__ = "correctness_reward"  # logged under the same name as the real one
+    train_gsm8k.main([*RUN_FLAGS, "--steps", "2", "--out", str(tmp_path / "clean")])
+    monkeypatch.setattr(train_gsm8k, "REWARD_FUNCS", [correctness_then_nan, rewards_mod.format_reward])
+    assert train_gsm8k.cli([*RUN_FLAGS, "--steps", "6", "--out", str(tmp_path / "bad")]) == 1
+    err = capsys.readouterr().err
+    err = err[err.index("error: "):].strip()  # after the progress bars
+    assert err.startswith("error: stopped at step 4: 2 steps in a row had a non-finite loss or gradient")
+    assert "checkpoint-000003" in err and "\n" not in err
+    lines = [json.loads(line) for line in (tmp_path / "bad" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["skipped_updates"] for m in lines] == [0, 0, 1, 1]
+    clean = load_file(tmp_path / "clean" / "checkpoint-000002" / "model.safetensors")
+    kept = load_file(tmp_path / "bad" / "checkpoint-000003" / "model.safetensors")
+    assert all(torch.isfinite(v).all() and torch.equal(v, clean[k]) for k, v in kept.items())
+    assert not (tmp_path / "bad" / "summary.json").exists()
+
+
+def test_non_finite_logits_in_training_stop_the_run_with_weights_untouched(tmp_path, cache, monkeypatch, capsys):
+    """Every training forward pass overflows (as bf16 can); sampling does not. Nothing is ever updated."""
+    real_load = train_gsm8k.load_model
+
+    def load_with_overflow(*a, **kw):
+        model, tok, name = real_load(*a, **kw)
+        start = {k: v.clone() for k, v in model.state_dict().items()}
+        loaded.append((model, start))
+
+        def overflow(module, args, output):
+            if torch.is_grad_enabled():
+                output.logits[..., 3] = float("nan")
+            return output
+        model.register_forward_hook(overflow)
+        return model, tok, name
+
+    loaded = []
+    monkeypatch.setattr(train_gsm8k, "load_model", load_with_overflow)
+    assert train_gsm8k.cli([*RUN_FLAGS, "--steps", "5", "--save-every", "0", "--out", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err
+    assert "stopped at step 2" in err and "no checkpoint was written" in err
+    (model, start), = loaded
+    assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
