@@ -5,6 +5,7 @@ train_gsm8k.py -- train a model with GRPO (grpo.py) and show, on held-out proble
     python train_gsm8k.py --preset qwen2.5-0.5b               # Qwen2.5-0.5B-Instruct on GSM8K, one GPU
     python train_gsm8k.py --preset qwen2.5-0.5b --data ../shared/data/gsm8k   # GSM8K from local JSONL
     python train_gsm8k.py --help                              # every flag, with its default and meaning
+    python train_gsm8k.py --resume runs/tiny-20261202-101500  # continue a killed run from its last checkpoint
     python train_gsm8k.py summarize runs/a runs/b runs/c      # mean ± std table over finished runs
 
 What it does: measure greedy accuracy on held-out problems, run `--steps` GRPO steps, measure again, and
@@ -14,6 +15,7 @@ write to --out DIR:
     curves.png      reward, accuracy, KL, clip ratio and completion length against step
     samples.jsonl   a few completions with their rewards every few steps (to spot reward hacking)
     final/          the trained model and tokenizer (`AutoModelForCausalLM.from_pretrained` loads it)
+    checkpoint-<step>/  weights, AdamW state, RNG states and run state, every --save-every steps (crash-safe)
 
 The "tiny" preset needs no download: tiny_world.py builds a ~1 M-parameter character-level Llama, gives it
 a supervised warm start on GSM8K-style problems (cached on disk after the first run), then GRPO trains it.
@@ -348,6 +350,17 @@ def validate(tcfg: TrainConfig, gcfg: grpo.GRPOConfig):
             raise InputError(message)
 
 
+def check_reward_funcs(funcs, rows: list[dict], gcfg: grpo.GRPOConfig):
+    """Call every reward function once on a few gold solutions before any model is loaded, so one that
+    returns the wrong number of values or a non-number fails now, not at step 1 of a long run."""
+    try:
+        grpo.compute_rewards(funcs, [r["question"] for r in rows], [r["answer"] for r in rows],
+                             {"answer": [r["answer"] for r in rows], "question": [r["question"] for r in rows]},
+                             gcfg.reward_weights)
+    except (ValueError, TypeError) as e:
+        raise InputError(str(e)) from None
+
+
 # WHY format_reward with weight 0: it is logged (rewards/format_reward) so a broken layout shows up,
 # but the optimised reward is the paper's: is the final answer right.
 REWARD_FUNCS = [rewards.correctness_reward, rewards.format_reward]
@@ -446,6 +459,7 @@ def main(argv=None) -> dict:
         torch.set_num_threads(tcfg.threads)
     device = resolve_device(tcfg.device)
     train_rows, eval_rows = load_data(tcfg, n_train=tcfg.steps * tcfg.prompts_per_step)
+    check_reward_funcs(REWARD_FUNCS, train_rows[:2], gcfg)
     policy, tokenizer, model_name = load_model(tcfg, log=tqdm.write)
     if not all_finite(policy):
         raise InputError(f"model {model_name!r} has non-finite weights")

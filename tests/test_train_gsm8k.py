@@ -289,3 +289,17 @@ def test_non_finite_logits_in_training_stop_the_run_with_weights_untouched(tmp_p
     assert "stopped at step 2" in err and "no checkpoint was written" in err
     (model, start), = loaded
     assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("bad, expected", [
+    (lambda completions, **kw: [1.0], "returned 1 values for 2 completions"),
+    (lambda completions, **kw: ["yes"] * len(completions), "returned 'yes'; expected a number"),
+])
+def test_a_broken_reward_function_fails_before_any_model_loads(tmp_path, cache, monkeypatch, capsys, bad, expected):
+    import rewards as rewards_mod
+    monkeypatch.setattr(train_gsm8k, "REWARD_FUNCS", [bad, rewards_mod.format_reward])
+    assert train_gsm8k.cli([*RUN_FLAGS, "--steps", "2", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and len(err.strip().splitlines()) == 1
+    assert not cache.exists() and not (tmp_path / "r").exists()
+
