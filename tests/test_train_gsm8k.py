@@ -245,7 +245,7 @@ def test_nan_rewards_from_step_3_are_skipped_then_stop_the_run(tmp_path, cache, 
     calls = {"n": 0}
 
     def correctness_then_nan(completions, answer, **kw):
-        calls["n"] += 1
+        calls["n"] += len(completions) == 8  # a training step (2 prompts x G=4), not the up-front check
         values = rewards_mod.correctness_reward(completions, answer)
         return [float("nan")] + values[1:] if calls["n"] >= 3 else values
 
