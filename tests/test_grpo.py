@@ -238,7 +238,8 @@ def tiny_gpt2(tok):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_sampling_distribution_is_the_one_the_loss_scores(tiny, arch):
-    """The log-probs generate() sampled from (its processed scores, at temperature 0.7 and with no top-k)
+    """Our sampling loop draws exactly the tokens transformers' generate() draws from the same seed, and
+    the log-probs generate() sampled from (its processed scores, at temperature 0.7 and with no top-k)
     equal token_logprobs on the same left-padded sequences. This catches a hidden top_k=50, a temperature
     mismatch, and (on GPT-2) position ids that differ between generation and scoring."""
     tok, model = tiny
@@ -261,6 +262,20 @@ def test_sampling_distribution_is_the_one_the_loss_scores(tiny, arch):
     # no truncation: at least one sampled token lay outside the top 50 of its distribution
     assert (scores.argsort(-1, descending=True).argsort(-1).gather(-1, batch["completion_ids"][..., None])
             .squeeze(-1)[m] >= 50).any()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_greedy_and_min_new_tokens_match_generate(tiny, arch):
+    """Greedy decoding with a length floor: our loop and generate() give the same tokens."""
+    tok, model = tiny
+    model = model if arch == "llama" else tiny_gpt2(tok)
+    cfg = grpo.GRPOConfig(max_new_tokens=10, min_new_tokens=6)
+    batch = grpo.sample_completions(model, tok, ["What is 2+3?", "Hi"], cfg, greedy=True, group_size=1)
+    out = model.generate(input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"], do_sample=False,
+                         max_new_tokens=10, min_new_tokens=6, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    assert torch.equal(out[:, batch["prompt_ids"].shape[1]:], batch["completion_ids"])
+    assert (batch["completion_mask"].sum(1) >= 6).all()
 
 
 def test_sample_completions_groups_and_masks(tiny):

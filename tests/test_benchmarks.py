@@ -1,0 +1,40 @@
+"""The benchmark scripts in benchmarks/ run end to end on tiny settings and print what they promise: the
+comparison against TRL its final JSON line, the profile a split that adds up to the step.
+
+Needs: trl and datasets for the comparison (skips with a reason without them). CPU, offline, ~40 s.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_vs_trl_reports_both_sides():
+    pytest.importorskip("trl", reason="TRL is not installed: pip install -r benchmarks/requirements.txt")
+    res = run("benchmarks/vs_trl.py", "--steps", "3", "--warmup", "1", "--rounds", "1", "--tokens", "4")
+    for key in ("ours_s_per_step", "trl_s_per_step", "ratio", "ours_peak_rss_mb", "trl_peak_rss_mb"):
+        assert res[key] > 0, key
+    assert res["ratio"] == pytest.approx(res["ours_s_per_step"] / res["trl_s_per_step"], rel=0.01)
+
+
+def test_profile_parts_add_up_to_the_step():
+    res = run("benchmarks/profile_step.py", "--steps", "3", "--warmup", "1", "--tokens", "8")
+    parts = ["generation", "no-grad log-probs", "train fwd+bwd", "optimizer", "everything else"]
+    assert all(res[p] >= 0 for p in parts[:-1])
+    # medians of parts need not sum exactly to the median total; within 20% they must
+    assert sum(res[p] for p in parts) == pytest.approx(res["total"], rel=0.2)
+    assert res["generation"] > 0 and res["train fwd+bwd"] > 0 and res["no-grad log-probs"] > 0
