@@ -27,7 +27,6 @@ import dataclasses
 import sys
 
 import grpo
-import rewards
 import train_gsm8k
 
 

@@ -181,8 +181,9 @@ def main(argv=None):
             for side in ("ours", "trl"):
                 res = run_worker(worker_cmd(a, side, Path(tmp) / "model"))
                 runs[side].append(res)
-                print(f"round {r + 1}/{a.rounds} {side:4s}: median {statistics.median(res['step_times'][a.warmup:]):.3f} "
-                      f"s/step, peak RSS {res['peak_rss_mb']:.0f} MB", file=sys.stderr)
+                median = statistics.median(res["step_times"][a.warmup:])
+                print(f"round {r + 1}/{a.rounds} {side:4s}: median {median:.3f} s/step, "
+                      f"peak RSS {res['peak_rss_mb']:.0f} MB", file=sys.stderr)
 
     def s_per_step(side):
         return statistics.median(statistics.median(r["step_times"][a.warmup:]) for r in runs[side])
