@@ -90,6 +90,15 @@ class GRPOConfig:
     """Sequences per forward/backward pass. Smaller uses less memory; the gradient is the same (tested)."""
     reward_weights: list[float] | None = None
     """One weight per reward function; None means all 1.0. The total reward is the weighted sum."""
+    supervision: str = "outcome"
+    """'outcome' (§4.1.2: one reward per completion) or 'process' (§4.1.3: a reward per reasoning step, from one
+    reward function returning (end, reward) pairs per completion, e.g. rewards.calculator_process_reward)."""
+    importance_sampling_level: str = "token"
+    """'token' (paper: one ratio per token) or 'sequence' (GSPO, arXiv 2507.18071: one length-normalised ratio
+    per completion, clipped as a whole; GSPO pairs it with a far smaller clip_eps, e.g. 3e-4 / 4e-4)."""
+    dynamic_sampling: int = 0
+    """DAPO's dynamic sampling (arXiv 2503.14476): drop groups whose rewards all agree, and sample up to this many
+    more rounds of fresh prompts (grpo_step's more_prompts) to top the batch up. 0: off (paper)."""
 
     def __post_init__(self):
         """Settings that cannot work fail here, at construction, with one line naming the field."""
@@ -115,6 +124,11 @@ class GRPOConfig:
             (self.micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {self.micro_batch_size}"),
             (self.reward_weights is None or all(math.isfinite(w) for w in self.reward_weights),
              f"reward_weights must be finite numbers, got {self.reward_weights}"),
+            (self.supervision in ("outcome", "process"),
+             f"supervision must be 'outcome' or 'process', got {self.supervision!r}"),
+            (self.importance_sampling_level in ("token", "sequence"),
+             f"importance_sampling_level must be 'token' or 'sequence', got {self.importance_sampling_level!r}"),
+            (self.dynamic_sampling >= 0, f"dynamic_sampling must be >= 0, got {self.dynamic_sampling}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -287,6 +301,47 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: bool
     return (centred / (std + eps)).view(-1)                                      # (N,)
 
 
+def process_advantages(step_rewards: list[list[tuple[int, float]]], group_size: int, num_tokens: int,
+                       eps: float = 1e-4) -> torch.Tensor:
+    """Process supervision (§4.1.3). step_rewards[n] lists completion n's steps as (end token index, reward).
+    Returns per-token advantages (N, T): each token gets the sum of the normalised rewards of the steps that
+    end at or after it.
+    """
+    N = len(step_rewards)
+    if N % group_size:
+        raise ValueError(f"{N} completions do not split into groups of {group_size}")
+    advantages = torch.zeros(N, num_tokens)                                       # (N, T)
+    for g in range(0, N, group_size):
+        group = step_rewards[g:g + group_size]
+        R = torch.tensor([r for steps in group for _, r in steps], dtype=torch.float32)   # (K,) all step rewards
+        # PAPER: r̃_i^index(j) = (r_i^index(j) - mean(R)) / std(R), R = every step reward in the group
+        # NOTE: as in outcome supervision: the sample std, with eps added to it (a group of equal step
+        #       rewards gives 0 everywhere). One step in the whole group has no spread: advantages 0.
+        std = R.std() if R.numel() > 1 else torch.tensor(0.0)
+        normalised = (R - R.mean()) / (std + eps) if R.numel() > 1 else torch.zeros_like(R)   # (K,)
+        k = 0
+        for i, steps in enumerate(group):
+            for end, _ in steps:
+                advantages[g + i, min(max(end, 0), num_tokens - 1)] += normalised[k]
+                k += 1
+    # PAPER: Â_i,t = Σ_{index(j) >= t} r̃_i^index(j)   (a reverse cumulative sum over token positions)
+    return advantages.flip(1).cumsum(1).flip(1)                                  # (N, T)
+
+
+def step_token_index(tokenizer, completion_ids: torch.Tensor, lengths: torch.Tensor,
+                     step_ends: list[list[int]]) -> list[list[int]]:
+    """Map each step's end, a character index into the decoded completion, to the token that holds its last
+    character. A step ending at the text's end maps to the completion's last token (its EOS, if it has one),
+    so the final-answer step credits stopping too. completion_ids (N, T), lengths (N,)."""
+    out = []
+    for ids, n, ends in zip(completion_ids.tolist(), lengths.tolist(), step_ends):
+        pieces = tokenizer.batch_decode([[t] for t in ids[:n]], skip_special_tokens=True)
+        stops = torch.tensor([len(p) for p in pieces]).cumsum(0)                  # (n,) chars up to each token
+        text_len = int(stops[-1]) if n else 0
+        out.append([n - 1 if e >= text_len else int(torch.searchsorted(stops, e - 1, right=True)) for e in ends])
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # 4. Per-token log-probabilities of the completion tokens
 # ----------------------------------------------------------------------------------------------
@@ -329,8 +384,9 @@ LOSS_TYPES = ("grpo", "token", "dr_grpo")
 
 
 def grpo_loss(logp, logp_old, logp_ref, advantages, completion_mask, *, clip_eps=0.2, clip_eps_high=None,
-              beta=0.04, loss_type="grpo", max_completion_length=None):
-    """loss = -J(θ) for one batch. logp, logp_old, logp_ref, completion_mask: (N, T); advantages: (N,).
+              beta=0.04, loss_type="grpo", max_completion_length=None, importance_sampling_level="token"):
+    """loss = -J(θ) for one batch. logp, logp_old, logp_ref, completion_mask: (N, T); advantages: (N,) for
+    outcome supervision (one per completion) or (N, T) for process supervision (one per token).
 
     Returns (scalar loss tensor, stats dict of floats: kl, clip_ratio/low, clip_ratio/high, clip_ratio/region).
     """
@@ -340,13 +396,20 @@ def grpo_loss(logp, logp_old, logp_ref, advantages, completion_mask, *, clip_eps
         raise ValueError("logp_ref is required when beta != 0")
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     mask = completion_mask.to(logp.dtype)                                        # (N, T)
-    A = advantages.to(logp.dtype)[:, None]                                       # (N, 1) one advantage per sequence
+    A = advantages.to(logp.dtype)                                                # (N,) or (N, T)
+    A = A[:, None] if A.dim() == 1 else A                                        # (N, 1) or (N, T)
+    lengths = mask.sum(1).clamp(min=1)                                           # (N,)
 
     # 5. PAPER: r_it(θ) = π_θ(o_it|q,o_i<t) / π_old(o_it|q,o_i<t), computed as exp of a log difference
     # NOTE: with μ = 1, logp_old is logp.detach(): the ratio is exactly 1 in value, yet its gradient is
     #       ∇ratio = ratio·∇logp = ∇logp. So the printed policy loss is ~0 (advantages are zero-mean in each
     #       group) while the gradient is the REINFORCE-with-group-baseline gradient. Nothing is broken.
-    ratio = torch.exp(logp - logp_old)                                           # (N, T)
+    log_ratio = logp - logp_old                                                  # (N, T)
+    if importance_sampling_level == "sequence":
+        # DEVIATION (opt-in, GSPO arXiv 2507.18071): s_i(θ) = exp( 1/|o_i| Σ_t log(π_θ(o_it)/π_old(o_it)) ),
+        # one ratio per completion, shared by its tokens, so the clip keeps or drops a completion as a whole.
+        log_ratio = ((log_ratio * mask).sum(1, keepdim=True) / lengths[:, None]).expand_as(logp)   # (N, T)
+    ratio = torch.exp(log_ratio)                                                 # (N, T)
     # PAPER: min( r·A , clip(r, 1-ε, 1+ε)·A )                                  (eq. 3; ε_high from DAPO)
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)                # (N, T)
     surrogate = torch.min(ratio * A, clipped * A)                                # (N, T)
@@ -366,7 +429,6 @@ def grpo_loss(logp, logp_old, logp_ref, advantages, completion_mask, *, clip_eps
     # NOTE: per-sequence vs per-token averaging. 'grpo' gives every completion equal weight, so each token
     #       of a long completion weighs less than a token of a short one (a length bias, see Dr. GRPO).
     #       'token' gives every token equal weight across the batch. They differ whenever lengths differ.
-    lengths = mask.sum(1).clamp(min=1)                                           # (N,)
     if loss_type == "grpo":
         # PAPER: 1/G Σ_i 1/|o_i| Σ_t                                            (eq. 3)
         loss = ((per_token * mask).sum(1) / lengths).mean()
@@ -436,32 +498,113 @@ def micro_batch_weights(completion_mask: torch.Tensor, slices: list[slice], loss
     return [(s.stop - s.start) / N for s in slices]
 
 
+def rollout(policy, tokenizer, prompts: list[str], columns: dict | None, reward_funcs: Sequence[RewardFn],
+            cfg: GRPOConfig) -> dict:
+    """Steps 1-3 for B prompts: sample G completions each, score them, and standardise within each group.
+    Returns sample_completions' batch plus, per completion: prompts, columns, rewards (N,), advantages ((N,)
+    for outcome supervision, (N, T) for process supervision) and reward_means (name -> mean)."""
+    G = cfg.group_size
+    # 1. Sample G completions per prompt from the current policy, which is π_old for this step.
+    batch = sample_completions(policy, tokenizer, prompts, cfg)
+    N, T = batch["completion_ids"].shape
+    assert N == len(prompts) * G and batch["prompt_ids"].shape[0] == N
+
+    # 2. Score. Every per-prompt column is repeated G times so row n of every list belongs together.
+    batch["prompts"] = [p for p in prompts for _ in range(G)]
+    batch["columns"] = {k: [v for v in vals for _ in range(G)] for k, vals in (columns or {}).items()}
+    device = batch["completion_ids"].device
+    if cfg.supervision == "outcome":
+        batch["rewards"], batch["reward_means"] = compute_rewards(
+            reward_funcs, batch["prompts"], batch["completions"], batch["columns"], cfg.reward_weights)  # (N,)
+        # 3. Advantages, one per sequence, shared by all its tokens (outcome supervision, §4.1.2).
+        batch["advantages"] = group_advantages(batch["rewards"], G, cfg.scale_rewards, cfg.adv_eps).to(device)
+        return batch
+    if len(reward_funcs) != 1:
+        raise ValueError(f"process supervision takes one step-reward function, got {len(reward_funcs)}")
+    steps = reward_funcs[0](prompts=batch["prompts"], completions=batch["completions"], **batch["columns"])
+    if len(steps) != N or not all(isinstance(s, (list, tuple)) and len(s) >= 1 for s in steps):
+        raise ValueError(f"process reward {reward_name(reward_funcs[0])!r} must return, for each of the {N} "
+                         f"completions, a non-empty list of (end, reward) steps")
+    lengths = batch["completion_mask"].sum(1)                                    # (N,)
+    ends = step_token_index(tokenizer, batch["completion_ids"], lengths, [[e for e, _ in s] for s in steps])
+    token_steps = [list(zip(e, (float(r) for _, r in s))) for e, s in zip(ends, steps)]
+    batch["rewards"] = torch.tensor([float(s[-1][1]) for s in steps])           # (N,) the last step: the outcome
+    batch["reward_means"] = {reward_name(reward_funcs[0]): batch["rewards"].mean().item(),
+                             "steps_mean": sum(r for s in steps for _, r in s) / sum(len(s) for s in steps)}
+    # 3. Advantages, one per token (process supervision, §4.1.3).
+    batch["advantages"] = process_advantages(token_steps, G, T, cfg.adv_eps).to(device)      # (N, T)
+    return batch
+
+
+def _select_groups(batch: dict, groups: list[int], G: int) -> dict:
+    """The rows of the given groups (each G consecutive rows) of a rollout batch."""
+    rows = [g * G + i for g in groups for i in range(G)]
+    idx = torch.tensor(rows, dtype=torch.long)
+    out = {k: v[idx.to(v.device)] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    out["completions"] = [batch["completions"][r] for r in rows]
+    out["prompts"] = [batch["prompts"][r] for r in rows]
+    out["columns"] = {k: [v[r] for r in rows] for k, v in batch["columns"].items()}
+    return out
+
+
+def _concat(a: dict, b: dict, pad_id: int) -> dict:
+    """Two rollout batches as one: prompts re-padded on the left, completions on the right."""
+    def pad(x, width, side, value):
+        fill = x.new_full((x.shape[0], width - x.shape[1], *x.shape[2:]), value)
+        return torch.cat([fill, x] if side == "left" else [x, fill], dim=1)
+
+    out = {"completions": a["completions"] + b["completions"], "prompts": a["prompts"] + b["prompts"],
+           "columns": {k: a["columns"][k] + b["columns"][k] for k in a["columns"]}}
+    P = max(a["prompt_ids"].shape[1], b["prompt_ids"].shape[1])
+    T = max(a["completion_ids"].shape[1], b["completion_ids"].shape[1])
+    for k, width, side, value in [("prompt_ids", P, "left", pad_id), ("prompt_mask", P, "left", 0),
+                                  ("completion_ids", T, "right", pad_id), ("completion_mask", T, "right", 0)]:
+        out[k] = torch.cat([pad(a[k], width, side, value), pad(b[k], width, side, value)])
+    for k in ("rewards", "truncated"):
+        out[k] = torch.cat([a[k], b[k]])
+    adv = [a["advantages"], b["advantages"]]
+    out["advantages"] = torch.cat(adv if adv[0].dim() == 1 else [pad(x, T, "right", 0.0) for x in adv])
+    return out
+
+
 def grpo_step(policy, ref_model, optimizer, tokenizer, prompts: list[str], reward_funcs: Sequence[RewardFn],
-              cfg: GRPOConfig, columns: dict | None = None, return_samples: bool = False) -> dict:
+              cfg: GRPOConfig, columns: dict | None = None, return_samples: bool = False,
+              more_prompts: Callable[[int], tuple[list[str], dict]] | None = None) -> dict:
     """One GRPO step on B prompts: sample, score, standardise, then μ clipped-ratio updates. Returns metrics.
 
     `columns` holds extra per-prompt data for the reward functions (e.g. {"answer": [...]}, B entries each).
     return_samples=True adds metrics["samples"]: one dict per completion (prompt, completion, reward, advantage).
+    more_prompts(k) -> (k prompts, their columns): fresh prompts for dynamic sampling (cfg.dynamic_sampling).
     """
     t0 = time.perf_counter()
-    G, mu = cfg.group_size, cfg.num_iterations
+    G, mu, B = cfg.group_size, cfg.num_iterations, len(prompts)
     if cfg.beta != 0 and ref_model is None:
         raise ValueError("beta != 0 needs a reference model (make_reference(policy))")
 
-    # 1. Sample G completions per prompt from the current policy, which is π_old for this step.
-    batch = sample_completions(policy, tokenizer, prompts, cfg)
+    # 1-3. Sample, score, standardise.
+    batch = rollout(policy, tokenizer, prompts, columns, reward_funcs, cfg)
+    sampled = [batch]  # every rollout of this step, for the metrics
+    if cfg.dynamic_sampling:
+        # DEVIATION (opt-in, DAPO's dynamic sampling): a group whose rewards all agree has advantage 0 on every
+        # token, so it adds no policy gradient and only shrinks the step. Drop such groups and top the batch up
+        # with fresh prompts, for at most cfg.dynamic_sampling more rounds.
+        def with_signal(b):
+            return [g for g in range(len(b["prompts"]) // G) if b["advantages"][g * G:(g + 1) * G].abs().sum() > 0]
+
+        kept = _select_groups(batch, with_signal(batch), G)
+        for _ in range(cfg.dynamic_sampling):
+            missing = B - len(kept["prompts"]) // G
+            if missing <= 0 or more_prompts is None:
+                break
+            extra = rollout(policy, tokenizer, *more_prompts(missing), reward_funcs, cfg)
+            sampled.append(extra)
+            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+            kept = _concat(kept, _select_groups(extra, with_signal(extra)[:missing], G), pad_id)
+        if kept["prompts"]:  # WHY: if every group agreed, train on the first draw as plain GRPO would (A = 0)
+            batch = kept
     completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"]    # (N, T), (N, T)
+    advantages, rewards = batch["advantages"], batch["rewards"]                            # (N,) or (N, T), (N,)
     N, T = completion_ids.shape
-    assert N == len(prompts) * G and batch["prompt_ids"].shape[0] == N
-
-    # 2. Score. Every per-prompt column is repeated G times so row n of every list belongs together.
-    rep_prompts = [p for p in prompts for _ in range(G)]
-    rep_columns = {k: [v for v in vals for _ in range(G)] for k, vals in (columns or {}).items()}
-    rewards, reward_means = compute_rewards(reward_funcs, rep_prompts, batch["completions"], rep_columns,
-                                            cfg.reward_weights)                                   # (N,)
-
-    # 3. Advantages, one per sequence, shared by all its tokens (outcome supervision).
-    advantages = group_advantages(rewards, G, cfg.scale_rewards, cfg.adv_eps).to(completion_ids.device)  # (N,)
 
     # 4. Log-probs that do not change during the update: π_old (only needed when μ > 1) and π_ref.
     slices = [slice(i, min(i + cfg.micro_batch_size, N)) for i in range(0, N, cfg.micro_batch_size)]
@@ -487,7 +630,8 @@ def grpo_step(policy, ref_model, optimizer, tokenizer, prompts: list[str], rewar
             ref = None if logp_ref is None else logp_ref[s]                                        # (n, T)
             loss, stats = grpo_loss(logp, old, ref, advantages[s], completion_mask[s],
                                     clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, beta=cfg.beta,
-                                    loss_type=cfg.loss_type, max_completion_length=cfg.max_new_tokens)
+                                    loss_type=cfg.loss_type, max_completion_length=cfg.max_new_tokens,
+                                    importance_sampling_level=cfg.importance_sampling_level)
             # WHY: weighting each micro-batch makes the summed gradient equal the full-batch gradient.
             (loss * w).backward()
             loss_this_update += loss.item() * w
@@ -506,12 +650,15 @@ def grpo_step(policy, ref_model, optimizer, tokenizer, prompts: list[str], rewar
             skipped += 1
         optimizer.zero_grad(set_to_none=True)
 
-    # Metrics, named as TRL names them where TRL has a name.
-    grouped = rewards.view(-1, G)                                                                 # (B, G)
-    group_std = grouped.std(dim=1)                                                                # (B,)
+    # Metrics, named as TRL names them where TRL has a name. Rewards describe everything sampled this step.
+    all_rewards = torch.cat([b["rewards"] for b in sampled])                                      # (all,)
+    group_std = all_rewards.view(-1, G).std(dim=1)                                                # (groups,)
+    counts = [len(b["prompts"]) for b in sampled]
+    reward_means = {k: sum(b["reward_means"][k] * n for b, n in zip(sampled, counts)) / sum(counts)
+                    for k in sampled[0]["reward_means"]}
     lengths = completion_mask.sum(1).float()                                                      # (N,)
     metrics = {
-        "reward": rewards.mean().item(),
+        "reward": all_rewards.mean().item(),
         "reward_std": group_std.mean().item(),
         **{f"rewards/{name}": v for name, v in reward_means.items()},
         "frac_reward_zero_std": (group_std < 1e-8).float().mean().item(),
@@ -523,7 +670,13 @@ def grpo_step(policy, ref_model, optimizer, tokenizer, prompts: list[str], rewar
         "skipped_updates": skipped,
         "step_time": time.perf_counter() - t0,
     }
+    if cfg.dynamic_sampling:
+        metrics["dynamic_sampling/rounds"] = len(sampled) - 1
+        metrics["dynamic_sampling/groups_trained"] = N // G
     if return_samples:
+        # NOTE: under process supervision a completion's advantage is per token; its first token's is the sum
+        #       of all its normalised step rewards, and that is what is logged.
+        first = advantages if advantages.dim() == 1 else advantages[:, 0]                     # (N,)
         metrics["samples"] = [dict(prompt=p, completion=c, reward=r, advantage=a) for p, c, r, a in
-                              zip(rep_prompts, batch["completions"], rewards.tolist(), advantages.tolist())]
+                              zip(batch["prompts"], batch["completions"], rewards.tolist(), first.tolist())]
     return metrics

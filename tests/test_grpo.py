@@ -457,3 +457,115 @@ def test_config_values_that_cannot_work_fail_at_construction(field, value, messa
     with pytest.raises(ValueError, match=message):
         grpo.GRPOConfig(**{field: value})
     grpo.GRPOConfig()  # the defaults pass
+
+
+# --- beyond vanilla GRPO: process supervision (§4.1.3), GSPO, dynamic sampling -------------------------
+def test_process_advantages_hand_worked():
+    """G = 2, T = 4. Completion 0 has steps ending at tokens 1 and 3, both right (reward 1); completion 1
+    has one step ending at token 2, wrong (0). R = [1, 1, 0]: mean 2/3, sample std sqrt(((1/3)^2 * 2 +
+    (2/3)^2) / 2) = sqrt(1/3) = 0.57735, so r̃ = [+0.57735, +0.57735, -1.15470] (eps 0 here).
+    Each token sums the r̃ of the steps ending at or after it:
+        completion 0: [0.577+0.577, 0.577+0.577, 0.577, 0.577] = [1.15470, 1.15470, 0.57735, 0.57735]
+        completion 1: [-1.15470, -1.15470, -1.15470, 0]  (nothing ends after token 2)"""
+    A = grpo.process_advantages([[(1, 1.0), (3, 1.0)], [(2, 0.0)]], group_size=2, num_tokens=4, eps=0.0)
+    torch.testing.assert_close(A, torch.tensor([[1.15470, 1.15470, 0.57735, 0.57735],
+                                                [-1.15470, -1.15470, -1.15470, 0.0]]), atol=1e-5, rtol=0)
+
+
+def test_process_advantages_with_only_a_final_step_equal_outcome_advantages():
+    """One step per completion, at its last token: the paper's two forms coincide on every real token."""
+    rewards_ = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.0, 1.0])
+    last = [3, 1, 4, 0, 2, 2, 4, 1]
+    A = grpo.process_advantages([[(t, r.item())] for t, r in zip(last, rewards_)], group_size=4, num_tokens=5)
+    outcome = grpo.group_advantages(rewards_, group_size=4)
+    for n, t in enumerate(last):
+        torch.testing.assert_close(A[n, :t + 1], outcome[n].expand(t + 1))
+        assert (A[n, t + 1:] == 0).all()
+
+
+def test_step_ends_map_to_the_token_holding_their_last_character(tiny):
+    """Character tokenizer: token k is character k. '1+1=<<1+1=2>>2' has its '>>' end at character 13, so the
+    step's last character (index 12) is token 12; a step ending at the text's end maps to the last token,
+    here the EOS at index 16."""
+    tok, _ = tiny
+    text = "1+1=<<1+1=2>>2\n#"
+    ids = torch.tensor([tok.convert_tokens_to_ids(list(text)) + [tok.eos_token_id, tok.pad_token_id]])
+    assert grpo.step_token_index(tok, ids, torch.tensor([17]), [[13, len(text)]]) == [[12, 16]]
+
+
+def test_gspo_sequence_ratio_hand_worked():
+    """log(π_θ/π_old) = [0.1, 0.3] on one completion. Token level: ratios e^0.1 = 1.10517 and e^0.3 = 1.34986,
+    clipped to 1.2 for A = +1: loss = -(1.10517 + 1.2) / 2 = -1.15259. GSPO: one ratio s = e^((0.1+0.3)/2)
+    = e^0.2 = 1.22140 for both tokens, clipped to 1.2: loss = -1.2 and no gradient at all. For A = -1 the
+    clip does not bind (min picks the larger loss): loss = +1.22140."""
+    old = torch.zeros(1, 2)
+    mask = torch.ones(1, 2)
+
+    def loss_of(level, A):
+        logp = torch.tensor([[0.1, 0.3]], requires_grad=True)
+        loss, _ = grpo.grpo_loss(logp, old, None, torch.tensor([A]), mask, beta=0.0,
+                                 importance_sampling_level=level)
+        loss.backward()
+        return loss.item(), logp.grad
+
+    assert loss_of("token", 1.0)[0] == pytest.approx(-1.15259, abs=1e-5)
+    loss, grad = loss_of("sequence", 1.0)
+    assert loss == pytest.approx(-1.2, abs=1e-6) and torch.equal(grad, torch.zeros(1, 2))
+    loss, grad = loss_of("sequence", -1.0)
+    assert loss == pytest.approx(1.22140, abs=1e-5) and (grad != 0).all()
+
+
+def alternating_unless_same(prompts, completions, **kw):
+    """0 for every completion of the prompt "SAME" (a zero-std group); 1, 0, 1, 0... for any other prompt."""
+    return [0.0 if p == "SAME" else float(i % 2) for i, p in enumerate(prompts)]
+
+
+def test_dynamic_sampling_drops_agreeing_groups_and_tops_up():
+    """B = 2: 'SAME' agrees with itself, so it is dropped and one fresh prompt ('Q2') fills its place."""
+    cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=6, dynamic_sampling=2)
+    asked = []
+
+    def more(k):
+        asked.append(k)
+        return ["Q2"] * k, {}
+
+    tok = tiny_world.char_tokenizer()
+    policy = tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0)
+    m = grpo.grpo_step(policy, grpo.make_reference(policy), grpo.make_optimizer(policy, cfg), tok,
+                       ["SAME", "Q1"], [alternating_unless_same], cfg, return_samples=True, more_prompts=more)
+    assert asked == [1]
+    assert m["dynamic_sampling/rounds"] == 1 and m["dynamic_sampling/groups_trained"] == 2
+    assert [s["prompt"] for s in m["samples"]] == ["Q1"] * 4 + ["Q2"] * 4
+    assert m["frac_reward_zero_std"] == pytest.approx(1 / 3)  # of the 3 groups sampled
+    # Without fresh prompts the step trains on the one group with signal.
+    m = grpo.grpo_step(policy, grpo.make_reference(policy), grpo.make_optimizer(policy, cfg), tok,
+                       ["SAME", "Q1"], [alternating_unless_same], cfg, return_samples=True)
+    assert m["dynamic_sampling/groups_trained"] == 1 and {s["prompt"] for s in m["samples"]} == {"Q1"}
+
+
+def test_process_supervision_step_runs_with_the_calculator_reward():
+    import rewards
+    tok = tiny_world.char_tokenizer()
+    cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=12, lr=1e-2, supervision="process")
+    policy = tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0)
+    seen = []
+    real = grpo.grpo_loss
+
+    def spy(logp, logp_old, logp_ref, advantages, *a, **kw):
+        seen.append(advantages.shape)
+        return real(logp, logp_old, logp_ref, advantages, *a, **kw)
+
+    grpo.grpo_loss = spy
+    try:
+        m = grpo.grpo_step(policy, grpo.make_reference(policy), grpo.make_optimizer(policy, cfg), tok,
+                           ["1+1=", "2*3="], [rewards.calculator_process_reward], cfg,
+                           columns={"answer": ["2", "6"]})
+    finally:
+        grpo.grpo_loss = real
+    N, T = 8, seen[0][1]
+    assert seen == [(N, T)] and math.isfinite(m["loss"]) and "rewards/steps_mean" in m
+    with pytest.raises(ValueError, match="one step-reward function"):
+        grpo.grpo_step(policy, None, grpo.make_optimizer(policy, cfg), tok, ["1+1="],
+                       [rewards.calculator_process_reward, rewards.format_reward],
+                       grpo.GRPOConfig(group_size=2, max_new_tokens=4, supervision="process", beta=0.0),
+                       columns={"answer": ["2"]})

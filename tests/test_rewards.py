@@ -229,3 +229,25 @@ def test_arithmetic_is_exact(expression, value):
 def test_arithmetic_refuses_anything_else_quickly(expression):
     assert evaluate_arithmetic(expression) is None
     assert slowest_of_3_best(evaluate_arithmetic, expression) < 0.005
+
+
+# --- step rewards for process supervision -------------------------------------------------------------------
+from rewards import annotation_is_right, calculator_process_reward  # noqa: E402
+
+
+def test_calculator_process_reward_hand_worked():
+    """'3*4=<<3*4=12>>12' is right and ends at character 14; '12+5=<<12+5=18>>18' is wrong (17) and ends at
+    33; the final answer 18 is wrong against the gold 17, at the end of the text (43)."""
+    text = "3*4=<<3*4=12>>12\n12+5=<<12+5=18>>18\n#### 18"
+    assert calculator_process_reward([text], ["#### 17"]) == [[(14, 1.0), (33, 0.0), (43, 0.0)]]
+    assert calculator_process_reward(["#### 17"], ["17"]) == [[(7, 1.0)]]       # no annotations: one step
+    assert calculator_process_reward(["<<9**9**9**9=1>> #### 1"], ["1"]) == [[(16, 0.0), (23, 1.0)]]
+
+
+@pytest.mark.parametrize("expression, stated, right", [
+    ("48/2", "24", True), ("48/2", "25", False), ("10/3", "3.33", True), ("10/3", "3.3", True),
+    ("10/3", "3.2", False), ("10/3", "3", False), ("7*8", "$56", True), ("7*8", "56 or 57", False),
+    ("x*8", "56", False), ("1/0", "0", False),
+])
+def test_annotation_is_right(expression, stated, right):
+    assert annotation_is_right(expression, stated) is right
