@@ -190,25 +190,31 @@ def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig, gr
     eos = torch.tensor(eos_ids, device=device)                                   # (E,)
 
     # WHY a plain loop instead of model.generate: it does only what GRPO needs (temperature, EOS, a length
-    # floor), and skips generate's per-token machinery. Measured on a 0.14 M-parameter Llama, 8 sequences of
-    # 32 tokens, 1 CPU thread: half of generate's time (benchmarks/profile_step.py).
+    # floor) and skips generate()'s per-token machinery (logits processors, stopping criteria, cache
+    # bookkeeping). It draws the very tokens generate() draws from the same seed (tests/test_grpo.py);
+    # benchmarks/vs_trl.py times the whole step against TRL, which samples with generate().
     # NOTE: no top-k / top-p: the samples must come from exactly the distribution whose log-probs the loss
     #       uses. (generate() would silently apply top_k=50 from transformers' defaults.)
     was_training = model.training
     model.eval()  # WHY: with gradient checkpointing, train mode turns the KV cache off and generation crawls.
-    attention_mask = prompt_mask                                                 # (N, P)
-    # WHY: number positions from each prompt's first real token, as token_logprobs does when it scores them.
-    position_ids = (prompt_mask.cumsum(1) - 1).clamp(min=0)                      # (N, P)
-    step_kwargs = dict(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       use_cache=True)
-    if _accepts_logits_to_keep(model):
-        step_kwargs["logits_to_keep"] = 1  # WHY (memory): only the last position's logits are needed
     cache_kwarg = _cache_kwarg(model)
+    # Prefill: one pass over each distinct prompt. WHY (speed): the G copies of a prompt would compute the same
+    # keys and values G times; compute them once and repeat the KV cache G times instead.
+    unique_ids, unique_mask = prompt_ids[::G], prompt_mask[::G]                  # (B, P), (B, P)
+    prefill = dict(input_ids=unique_ids, attention_mask=unique_mask, use_cache=True,
+                   # WHY: number positions from each prompt's first real token, as token_logprobs does.
+                   position_ids=(unique_mask.cumsum(1) - 1).clamp(min=0))      # (B, P)
+    if _accepts_logits_to_keep(model):
+        prefill["logits_to_keep"] = 1  # WHY (memory): only the last position's logits are needed
+    out = model(**prefill)
+    cache = out[cache_kwarg]
+    cache.batch_repeat_interleave(G)                                             # (B, ...) -> (N, ...) in place
+    logits = out.logits[:, -1, :].float().repeat_interleave(G, 0)                # (N, V)
+    attention_mask = prompt_mask                                                 # (N, P)
+    next_position = (prompt_mask.sum(1, keepdim=True) - 1).clamp(min=0) + 1      # (N, 1)
     done = torch.zeros(N, dtype=torch.bool, device=device)                       # (N,)
     tokens = []
     for t in range(cfg.max_new_tokens):
-        out = model(**step_kwargs)
-        logits = out.logits[:, -1, :].float()                                    # (N, V)
         if t < cfg.min_new_tokens:
             logits[:, eos] = -math.inf                                           # (N, V)  no EOS yet
         if greedy:
@@ -219,13 +225,13 @@ def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig, gr
         next_ids = torch.where(done, torch.full_like(next_ids, pad_id), next_ids)  # (N,)  pad after EOS
         tokens.append(next_ids)
         done |= torch.isin(next_ids, eos)
-        if done.all():
+        if done.all() or t == cfg.max_new_tokens - 1:
             break
+        # Decode: feed only the new token; the KV cache holds everything before it.
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(N, 1)], dim=1)  # (N, P+t+1)
-        # The next pass feeds only the new token; the KV cache holds everything before it.
-        step_kwargs = {"input_ids": next_ids[:, None], "attention_mask": attention_mask,    # (N, 1), (N, P+t+1)
-                       "position_ids": position_ids[:, -1:] + t + 1, "use_cache": True,     # (N, 1)
-                       cache_kwarg: out[cache_kwarg]}
+        out = model(input_ids=next_ids[:, None], attention_mask=attention_mask,   # (N, 1), (N, P+t+1)
+                    position_ids=next_position + t, use_cache=True, **{cache_kwarg: cache})   # (N, 1)
+        logits = out.logits[:, -1, :].float()                                    # (N, V)
     model.train(was_training)
 
     completion_ids = torch.stack(tokens, dim=1)                                  # (N, T)
