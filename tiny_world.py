@@ -307,3 +307,28 @@ def warm_start(cfg: WarmStartConfig = WarmStartConfig(), cache_dir: Path | None 
         {**asdict(cfg), "final_loss": loss.item(), "seconds": time.perf_counter() - t0}, indent=1)})
     log(f"warm start: done in {time.perf_counter() - t0:.0f} s, final loss {loss.item():.3f}")
     return out
+
+
+def more_supervised_steps(model, tokenizer, seconds: float, cfg: WarmStartConfig = WarmStartConfig(),
+                          lr: float | None = None, seed: int = 1) -> int:
+    """Keep training `model` on the warm start's (slipped) text for `seconds` of wall time; return the number
+    of steps taken. The control for "what RL adds beyond imitation": the same time spent imitating instead.
+    lr defaults to where the warm start's schedule ended (10% of its peak)."""
+    lr = cfg.lr * 0.1 if lr is None else lr
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    # WHY a different seed: fresh problems the warm start never saw, as GRPO's training prompts are.
+    rows = make_problems(64 * cfg.batch_size, "train", seed=seed + 1000, slip_rate=cfg.slip_rate)
+    model.train()
+    start, step = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        if (step + 1) * cfg.batch_size > len(rows):
+            rows += make_problems(64 * cfg.batch_size, "train", seed=seed + 1000 + step, slip_rate=cfg.slip_rate)
+        loss = supervised_loss(model, tokenizer, rows[step * cfg.batch_size:(step + 1) * cfg.batch_size])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+    model.eval()
+    return step
+

@@ -316,7 +316,9 @@ def plot_curves(metrics: list[dict], evals: list[tuple[int, float]], path: Path)
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
     for ax, (title, keys) in zip(axes, panels):
         for k in keys:
-            ax.plot(steps, [m.get(k, math.nan) for m in metrics], label=k if len(keys) > 1 else "train samples")
+            # NOTE: under process supervision there is no rewards/correctness_reward; `reward` is the accuracy.
+            ax.plot(steps, [m.get(k, m["reward"] if k == "rewards/correctness_reward" else math.nan) for m in metrics],
+                    label=k if len(keys) > 1 else "train samples")
         if title == "accuracy" and evals:
             ax.plot(*zip(*evals), "o-", color="black", label="held-out, greedy")
         ax.set_title(title)
@@ -342,7 +344,8 @@ def validate(tcfg: TrainConfig, gcfg: grpo.GRPOConfig):
         (tcfg.save_every >= 0, f"--save-every must be >= 0, got {tcfg.save_every}"),
         (tcfg.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {tcfg.max_bad_steps}"),
         (tcfg.threads >= 0, f"--threads must be >= 0, got {tcfg.threads}"),
-        (gcfg.reward_weights is None or len(gcfg.reward_weights) == len(REWARD_FUNCS),
+        (gcfg.supervision == "process" or gcfg.reward_weights is None
+         or len(gcfg.reward_weights) == len(REWARD_FUNCS),
          f"--reward-weights needs {len(REWARD_FUNCS)} values ({', '.join(f.__name__ for f in REWARD_FUNCS)})"),
     ]
     for ok, message in checks:
@@ -353,6 +356,8 @@ def validate(tcfg: TrainConfig, gcfg: grpo.GRPOConfig):
 def check_reward_funcs(funcs, rows: list[dict], gcfg: grpo.GRPOConfig):
     """Call every reward function once on a few gold solutions before any model is loaded, so one that
     returns the wrong number of values or a non-number fails now, not at step 1 of a long run."""
+    if gcfg.supervision == "process":
+        return  # step rewards are lists, checked by grpo.rollout
     try:
         grpo.compute_rewards(funcs, [r["question"] for r in rows], [r["answer"] for r in rows],
                              {"answer": [r["answer"] for r in rows], "question": [r["question"] for r in rows]},
@@ -365,6 +370,12 @@ def check_reward_funcs(funcs, rows: list[dict], gcfg: grpo.GRPOConfig):
 # but the optimised reward is the paper's: is the final answer right.
 REWARD_FUNCS = [rewards.correctness_reward, rewards.format_reward]
 DEFAULT_REWARD_WEIGHTS = [1.0, 0.0]
+# PAPER §4.1.3: process supervision rewards each calculator step and the final answer.
+PROCESS_REWARD_FUNCS = [rewards.calculator_process_reward]
+
+
+def reward_funcs_for(gcfg: grpo.GRPOConfig) -> list:
+    return PROCESS_REWARD_FUNCS if gcfg.supervision == "process" else REWARD_FUNCS
 
 
 # ----------------------------------------------------------------------------------------------
@@ -458,8 +469,11 @@ def main(argv=None) -> dict:
     if tcfg.threads:
         torch.set_num_threads(tcfg.threads)
     device = resolve_device(tcfg.device)
-    train_rows, eval_rows = load_data(tcfg, n_train=tcfg.steps * tcfg.prompts_per_step)
-    check_reward_funcs(REWARD_FUNCS, train_rows[:2], gcfg)
+    # WHY the extra rows: dynamic sampling tops batches up with fresh prompts (at most this many rounds).
+    n_train = tcfg.steps * tcfg.prompts_per_step * (1 + gcfg.dynamic_sampling)
+    train_rows, eval_rows = load_data(tcfg, n_train=n_train)
+    reward_funcs = reward_funcs_for(gcfg)
+    check_reward_funcs(reward_funcs, train_rows[:2], gcfg)
     policy, tokenizer, model_name = load_model(tcfg, log=tqdm.write)
     if not all_finite(policy):
         raise InputError(f"model {model_name!r} has non-finite weights")
@@ -485,7 +499,7 @@ def main(argv=None) -> dict:
     else:
         optimizer = grpo.make_optimizer(policy, gcfg)
         state = {"step": 0, "evals": [], "wall_seconds": 0.0, "bad_in_a_row": 0, "skipped_updates": 0,
-                 "model": model_name}
+                 "model": model_name, "refill_cursor": tcfg.steps * tcfg.prompts_per_step}
         out.mkdir(parents=True, exist_ok=True)
         for name in ("metrics.jsonl", "samples.jsonl"):
             (out / name).write_text("")
@@ -512,6 +526,16 @@ def main(argv=None) -> dict:
     order = (list(range(len(train_rows))) if tcfg.data == "tiny"
              else random.Random(tcfg.seed).sample(range(len(train_rows)), len(train_rows)))
     metrics_log = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    def columns_of(rows):
+        return {"answer": [r["answer"] for r in rows], "question": [r["question"] for r in rows]}
+
+    def more_prompts(k):
+        """Dynamic sampling: k fresh prompts, from the rows no regular step uses (cycling if they run out)."""
+        picked = [train_rows[order[(state["refill_cursor"] + i) % len(order)]] for i in range(k)]
+        state["refill_cursor"] += k
+        return [make_prompt(tokenizer, r["question"], tcfg.system_prompt) for r in picked], columns_of(picked)
+
     bar = tqdm(range(state["step"] + 1, tcfg.steps + 1), desc="GRPO", unit="step",
                initial=state["step"], total=tcfg.steps)
     for step in bar:
@@ -519,9 +543,8 @@ def main(argv=None) -> dict:
         rows = [train_rows[i] for i in idx]
         prompts = [make_prompt(tokenizer, r["question"], tcfg.system_prompt) for r in rows]
         with autocast:
-            m = grpo.grpo_step(policy, ref, optimizer, tokenizer, prompts, REWARD_FUNCS, gcfg,
-                               columns={"answer": [r["answer"] for r in rows],
-                                        "question": [r["question"] for r in rows]}, return_samples=True)
+            m = grpo.grpo_step(policy, ref, optimizer, tokenizer, prompts, reward_funcs, gcfg,
+                               columns=columns_of(rows), return_samples=True, more_prompts=more_prompts)
         samples = m.pop("samples")
         m = {"step": step, **m}
         metrics_log.append(m)
@@ -531,7 +554,8 @@ def main(argv=None) -> dict:
             with open(out / "samples.jsonl", "a") as f:
                 for s in samples[:: gcfg.group_size][:4]:
                     f.write(json.dumps({"step": step, **s}) + "\n")
-        acc = m["rewards/correctness_reward"]
+        # NOTE: under process supervision `reward` is the final-answer step's reward, i.e. the accuracy.
+        acc = m.get("rewards/correctness_reward", m["reward"])
         bar.set_postfix(reward=f"{m['reward']:.3f}", acc=f"{acc:.3f}", kl=f"{m['kl']:.4f}")
         tqdm.write(f"step {step:4d}/{tcfg.steps}  reward {m['reward']:.3f}  acc {acc:.3f}  "
                    f"zero-std {m['frac_reward_zero_std']:.2f}  kl {m['kl']:.4f}  "
