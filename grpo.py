@@ -12,7 +12,13 @@ The objective it maximises (outcome supervision, §4.1.1-4.1.2, eq. 3)
       r_it(θ) = π_θ(o_it | q, o_i<t) / π_old(o_it | q, o_i<t)         (a probability RATIO, not a reward)
       A_i     = (r_i - mean(r)) / std(r)                                (r_i is the REWARD of completion i)
       D_KL    ≈ π_ref/π_θ - log(π_ref/π_θ) - 1                          (k3 estimator, eq. 4)
-    We minimise loss = -J.
+    We minimise loss = -J. Process supervision (§4.1.3) replaces A_i by a per-token advantage built from
+    step rewards (process_advantages).
+
+Variants since the paper, each an opt-in switch in GRPOConfig that cites its paper
+    loss_type "token" (DAPO) / "dr_grpo", scale_rewards=False (Dr. GRPO), clip_eps_high (DAPO's clip-higher),
+    dynamic_sampling (DAPO), importance_sampling_level="sequence" (GSPO). Each line that differs from the
+    paper is tagged DEVIATION.
 
 How to run it
     python -m pytest tests/test_grpo.py -q       # every equation, pinned
@@ -22,7 +28,7 @@ What it leaves out, on purpose
     - the critic (that is the point of GRPO: the group mean is the baseline);
     - multi-GPU, vLLM, DeepSpeed (see README, "Past one GPU");
     - the paper's iterative reward-model retraining and reference resets (Algorithm 1, outer loop);
-    - process supervision (§4.1.3) -- outcome supervision only, for now.
+    - learned reward models: process supervision here uses a rule-based step reward (rewards.py).
 
 Tensor dimensions used in shape comments
     B  prompts per step          G  completions per prompt (group_size)
@@ -34,9 +40,10 @@ The steps below, in order
     1. sample_completions          G completions per prompt from π_old (= π_θ before this step's update)
     2. compute_rewards             weighted rule-based reward functions, TRL signature
     3. group_advantages            A_i = (r_i - mean) / (std + eps) within each group
+       process_advantages          process supervision: Â_i,t from normalised step rewards
     4. token_logprobs              log π(o_it) via gather + logsumexp, for π_θ, π_old, π_ref
     5-7. grpo_loss                 ratio + clip (5), k3 KL (6), aggregation over tokens (7)
-    8. grpo_step                   one full GRPO step: 1-7, then μ optimizer updates
+    8. rollout, grpo_step          1-3 (plus dynamic sampling), then 4-7 and μ optimizer updates
 """
 
 from __future__ import annotations
