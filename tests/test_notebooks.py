@@ -1,0 +1,46 @@
+"""Every notebook in notebooks/ runs headless, top to bottom, without a cell error, and its committed copy
+carries its plots.
+
+Needs: nbclient, nbformat, ipykernel (requirements.txt). Runs each notebook with GRPO_NOTEBOOK_QUICK=1 (a
+weaker, faster model; the committed outputs come from the full run) and the warm-start cache in a temporary
+folder. CPU, offline, about a minute per notebook.
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+
+
+def test_there_are_notebooks():
+    assert len(NOTEBOOKS) >= 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_runs_headless(path, tmp_path, monkeypatch):
+    monkeypatch.setenv("GRPO_NOTEBOOK_QUICK", "1")
+    monkeypatch.setenv("GRPO_TINY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    nb = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                     resources={"metadata": {"path": str(path.parent)}})
+    client.execute()  # raises CellExecutionError, naming the cell, on any error
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+    assert not errors
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_committed_notebook_shows_its_plots_and_ends_with_a_checked_exercise(path):
+    nb = nbformat.read(path, as_version=4)
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    assert images, f"{path.name} was committed without its plot outputs"
+    assert nb.cells[0].cell_type == "markdown" and "What you will learn" in nb.cells[0].source
+    assert any("def check(" in c.source for c in nb.cells if c.cell_type == "code")
+    assert not [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
