@@ -353,14 +353,18 @@ def validate(tcfg: TrainConfig, gcfg: grpo.GRPOConfig):
             raise InputError(message)
 
 
+def columns_of(rows: list[dict]) -> dict:
+    """The per-prompt columns every reward function receives (TRL passes a dataset's columns the same way)."""
+    return {"answer": [r["answer"] for r in rows], "question": [r["question"] for r in rows]}
+
+
 def check_reward_funcs(funcs, rows: list[dict], gcfg: grpo.GRPOConfig):
     """Call every reward function once on a few gold solutions before any model is loaded, so one that
     returns the wrong number of values or a non-number fails now, not at step 1 of a long run."""
     if gcfg.supervision == "process":
         return  # step rewards are lists, checked by grpo.rollout
     try:
-        grpo.compute_rewards(funcs, [r["question"] for r in rows], [r["answer"] for r in rows],
-                             {"answer": [r["answer"] for r in rows], "question": [r["question"] for r in rows]},
+        grpo.compute_rewards(funcs, [r["question"] for r in rows], [r["answer"] for r in rows], columns_of(rows),
                              gcfg.reward_weights)
     except (ValueError, TypeError) as e:
         raise InputError(str(e)) from None
@@ -526,9 +530,6 @@ def main(argv=None) -> dict:
     order = (list(range(len(train_rows))) if tcfg.data == "tiny"
              else random.Random(tcfg.seed).sample(range(len(train_rows)), len(train_rows)))
     metrics_log = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-    def columns_of(rows):
-        return {"answer": [r["answer"] for r in rows], "question": [r["question"] for r in rows]}
 
     def more_prompts(k):
         """Dynamic sampling: k fresh prompts, from the rows no regular step uses (cycling if they run out)."""
