@@ -97,30 +97,39 @@ def test_tiny_problems_are_gsm8k_format_and_splits_are_disjoint():
         assert rewards.correctness_reward([r["answer"]], [r["answer"]]) == [1.0]
 
 
-@pytest.mark.parametrize("x, op, y, careless", [
-    (48, "+", 27, 65),    # 8+7=15 -> 5, 4+2=6: the carry is forgotten
-    (52, "-", 17, 45),    # 2-7 -> 7-2=5, 5-1=4: smaller digit from larger instead of borrowing
-    (95, "+", 8, 93),     # 5+8=13 -> 3, 9+0=9
-    (100, "-", 1, 101),   # 0-1 -> 1, 0-0=0, 1-0=1
-    (12, "+", 3, None),   # no carry: nothing to forget
-    (57, "-", 23, None),  # no borrow
-    (6, "*", 7, None),    # only + and - slip
-])
-def test_slipped_arithmetic(x, op, y, careless):
-    assert tiny_world.slipped(x, op, y) == careless
-
-
-def test_slips_flow_into_the_final_answer_and_never_reach_the_gold():
-    """Same seed, same questions; with slip_rate 1 every carry/borrow is forgotten and later steps use the
-    wrong value. About a third of problems have one. The default (slip_rate 0) is always right."""
+def test_slips_answer_the_first_steps_result_and_never_reach_the_gold():
+    """Same seed, same questions. With slip_rate 1 every multi-step solution keeps all its (right) steps but
+    its '####' line repeats the first step's result; one-step problems are untouched. The default
+    (slip_rate 0) is always right. Worked example: Mia has 25, buys 5 packs of 2 -> 5*2=10, 25+10=35;
+    true answer #### 35, slipped answer #### 10."""
+    import random
     import rewards
     clean = tiny_world.make_problems(2000, "train", seed=3)
     careless = tiny_world.make_problems(2000, "train", seed=3, slip_rate=1.0)
     assert [r["question"] for r in clean] == [r["question"] for r in careless]
-    wrong = [c for c, s in zip(clean, careless) if rewards.correctness_reward([s["answer"]], [c["answer"]]) == [0.0]]
-    assert 0.25 < len(wrong) / 2000 < 0.5
-    chained = tiny_world.solve([(48, "+", 27), (tiny_world.P, "*", 2)], slip_rate=1.0, rng=__import__("random").Random(0))
-    assert chained[1] == 130 and "65*2=<<65*2=130>>130" in chained[0]
+    for c, s in zip(clean, careless):
+        full, slipped = c["answer"].split("\n"), s["answer"].split("\n")
+        assert slipped[:-1] == full[:-1]  # every step written, and written right
+        first = full[0].split(">>")[1]
+        assert slipped[-1] == ("#### " + first if len(full) > 2 else full[-1])
+        right = rewards.correctness_reward([s["answer"]], [c["answer"]]) == [1.0]
+        # right only when there is one step, or by coincidence (2*6=12, then 24-12=12)
+        assert right == (len(full) == 2 or "#### " + first == full[-1])
+    multi = sum(len(c["answer"].split("\n")) > 2 for c in clean) / 2000
+    assert 0.5 < multi < 0.8  # most problems have a wrong quantity to answer
+    two_steps = [(5, "*", 2), (25, "+", tiny_world.P)]
+    assert tiny_world.solve(two_steps, slip_rate=1.0, rng=random.Random(0)) == (
+        "5*2=<<5*2=10>>10\n25+10=<<25+10=35>>35\n#### 10", 10)
+    assert tiny_world.solve(two_steps) == ("5*2=<<5*2=10>>10\n25+10=<<25+10=35>>35\n#### 35", 35)
+
+
+def test_slip_rate_sets_how_often_the_wrong_quantity_is_answered():
+    """With slip_rate 0.6 a two-step solution answers its first result 60% of the time (binomial sd over
+    4,000 draws is 0.8 points, so 0.57-0.63 is about 4 sd)."""
+    import random
+    rng = random.Random(0)
+    early = sum(tiny_world.solve([(5, "*", 2), (25, "+", tiny_world.P)], 0.6, rng)[1] == 10 for _ in range(4000))
+    assert 0.57 < early / 4000 < 0.63
 
 
 # --- bad input: one line, exit code 2, nothing written ----------------------------------------------
