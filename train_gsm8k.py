@@ -630,7 +630,7 @@ def summarize(run_dirs: list[str]) -> str:
             f"| change (points) | {ms('accuracy_gain', 100)} (each run: "
             + ", ".join(f"{100 * r['accuracy_gain']:+.1f}" for r in runs) + ") |",
             f"| GRPO wall time per run, evaluations included (min) | {ms('wall_seconds', 1 / 60)} |",
-            f"| whole command per run, model load or warm-start build included (min) | "
+            "| whole command per run, model load or warm-start build included (min) | "
             + (ms('command_seconds', 1 / 60) if all("command_seconds" in r for r in runs) else "not recorded") + " |",
             f"| device, torch threads | {runs[0]['device']}, {runs[0]['torch_threads']} |"]
     return "\n".join(rows)

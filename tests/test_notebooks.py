@@ -6,7 +6,6 @@ weaker, faster model; the committed outputs come from the full run) and the warm
 folder. CPU, offline, about a minute per notebook.
 """
 
-import os
 from pathlib import Path
 
 import pytest

@@ -54,7 +54,8 @@ CASES = [
     ("", GOLD_72, 0.0, "empty completion"),
     ("The answer is 15 gallons * 8 = 120 pints\n#### 120", "120", 1.0, "#### outranks 'answer is' (a real GSM8K gold)"),
     ("The answer is 72.\n#### 72", GOLD_72, 1.0, "'answer is' and #### agree"),
-    ("The answer is not 5; 6 + 66 = 72\n#### 72", GOLD_72, 1.0, "'answer is' with no number right after it commits to nothing"),
+    ("The answer is not 5; 6 + 66 = 72\n#### 72", GOLD_72, 1.0,
+     "'answer is' with no number right after it commits to nothing"),
 ]
 
 
