@@ -1,7 +1,7 @@
 """
 ablation.py -- what each GRPO variant changes, measured on the tiny world over several seeds.
 
-    python ablation.py                                   # every variant, seeds 0 1 2 (90 min on a 2-core CPU)
+    python ablation.py                                   # every variant, seeds 0 1 2 (about an hour on a 2-core CPU)
     python ablation.py --variants grpo dr_grpo --seeds 0 1
     python ablation.py --out runs/ablation               # rerun: finished runs are kept, missing ones are run
 
