@@ -99,7 +99,7 @@ PRESETS = {
         dict(model="", data="tiny", device="cpu"),           # everything offline, built by tiny_world.py
         dict(group_size=8,                                   # paper: 64; 8 x 16 prompts is one CPU batch
              lr=1e-4,                                        # probe: 3e-4 and above drifted and lost accuracy
-             max_new_tokens=96,                              # the longest tiny-world solution is 78 characters
+             max_new_tokens=96,                              # the longest tiny-world solution is 66 characters
              micro_batch_size=128),                          # the whole step in one pass; it fits easily
     ),
     "qwen2.5-0.5b": (
