@@ -3,6 +3,7 @@
 Needs: torch and transformers only (the model is a tiny random Llama built in memory). CPU, offline, ~15 s.
 """
 
+import copy
 import math
 import statistics
 
@@ -236,14 +237,61 @@ def tiny_gpt2(tok):
     return model
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def model_for(arch, tiny):
+    """The tiny Llama (SDPA: sample_completions hands it a ready 4D mask), the same weights on eager attention
+    (the plain 2D mask path), or a tiny GPT-2."""
+    tok, model = tiny
+    if arch == "llama-eager":
+        model = copy.deepcopy(model)
+        model.set_attn_implementation("eager")
+        assert not grpo._sdpa_full_attention(model)
+        return model
+    return model if arch == "llama" else tiny_gpt2(tok)
+
+
+def test_ready_4d_mask_only_for_full_sdpa_attention(tiny):
+    """The 4D-mask shortcut is for SDPA with full attention only; a sliding window or eager kernel opts out."""
+    _, model = tiny
+    assert grpo._sdpa_full_attention(model)
+    sliding = copy.deepcopy(model)
+    sliding.config.sliding_window = 16
+    assert not grpo._sdpa_full_attention(sliding)
+    sliding.config.sliding_window = None
+    sliding.config.layer_types = ["full_attention", "sliding_attention"]
+    assert not grpo._sdpa_full_attention(sliding)
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-eager", "gpt2"])
+def test_each_decode_step_sees_the_logits_of_a_full_forward(tiny, arch):
+    """The logits behind every sampled token (caught by a hook on the output layer) equal one uncached forward
+    over the finished, left-padded sequences. This pins the KV cache, the padding mask (2D or the ready 4D one)
+    and the position ids together. A random tiny model samples the same tokens under small mask errors, so the
+    token-level checks below cannot see them; this one can."""
+    tok, model = tiny[0], model_for(arch, tiny)
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda mod, inp, out: seen.append(out[:, -1].clone()))
+    cfg = grpo.GRPOConfig(group_size=2, max_new_tokens=8, min_new_tokens=8)
+    torch.manual_seed(0)
+    batch = grpo.sample_completions(model, tok, ["What is 2+3? Then add 17 and 45.", "Hi"], cfg)
+    hook.remove()
+    P, T = batch["prompt_ids"].shape[1], batch["completion_ids"].shape[1]
+    assert len(seen) == T and (batch["prompt_mask"] == 0).sum() >= 2 * 25         # "Hi" sits behind 25+ pads
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)             # (N, P+T)
+    mask = torch.cat([batch["prompt_mask"], torch.ones_like(batch["completion_ids"])], 1)  # (N, P+T)
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+    for t in range(T):
+        step = seen[0].repeat_interleave(2, 0) if t == 0 else seen[t]              # the prefill ran once per prompt
+        torch.testing.assert_close(step, full[:, P - 1 + t], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-eager", "gpt2"])
 def test_sampling_distribution_is_the_one_the_loss_scores(tiny, arch):
     """Our sampling loop draws exactly the tokens transformers' generate() draws from the same seed, and
     the log-probs generate() sampled from (its processed scores, at temperature 0.7 and with no top-k)
     equal token_logprobs on the same left-padded sequences. This catches a hidden top_k=50, a temperature
     mismatch, and (on GPT-2) position ids that differ between generation and scoring."""
-    tok, model = tiny
-    model = model if arch == "llama" else tiny_gpt2(tok)
+    tok, model = tiny[0], model_for(arch, tiny)
     cfg = grpo.GRPOConfig(group_size=3, max_new_tokens=12, temperature=0.7)
     torch.manual_seed(0)
     batch = grpo.sample_completions(model, tok, ["What is 2+3?", "Hi"], cfg)
@@ -264,11 +312,10 @@ def test_sampling_distribution_is_the_one_the_loss_scores(tiny, arch):
             .squeeze(-1)[m] >= 50).any()
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "llama-eager", "gpt2"])
 def test_greedy_and_min_new_tokens_match_generate(tiny, arch):
     """Greedy decoding with a length floor: our loop and generate() give the same tokens."""
-    tok, model = tiny
-    model = model if arch == "llama" else tiny_gpt2(tok)
+    tok, model = tiny[0], model_for(arch, tiny)
     cfg = grpo.GRPOConfig(max_new_tokens=10, min_new_tokens=6)
     batch = grpo.sample_completions(model, tok, ["What is 2+3?", "Hi"], cfg, greedy=True, group_size=1)
     out = model.generate(input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"], do_sample=False,
