@@ -12,7 +12,8 @@ The profile times grpo.py's own functions from outside (nothing in grpo.py chang
     everything else     the step's wall time minus the above: rewards, advantages, metrics, Python glue.
 "Everything else" is this project's own overhead.
 
-The scaling table runs each setting in a fresh process (so peak RSS is that setting's own) and fits
+The scaling table runs each setting in a fresh process (so peak RSS is that setting's own), sweeps all
+settings --repeats times and takes each row's median over the sweeps, and fits
 log(time) against log(G), log(length) and log(parameters), to say which term dominates.
 """
 
@@ -110,25 +111,27 @@ def print_profile(res: dict, title: str):
 
 def fit_exponents(rows: list[dict]) -> dict:
     """Least squares log t = c + a·log G + b·log T + g·log params. Returns {"G": a, "tokens": b, "params": g}."""
+    import math
     import torch
-    X = torch.tensor([[1.0, *(float(torch.tensor(r[k]).log()) for k in ("group_size", "tokens", "parameters"))]
-                      for r in rows], dtype=torch.float64)
-    y = torch.tensor([[float(torch.tensor(r["total"]).log())] for r in rows], dtype=torch.float64)
+    X = torch.tensor([[1.0, *(math.log(r[k]) for k in ("group_size", "tokens", "parameters"))] for r in rows],
+                     dtype=torch.float64)                                        # (rows, 4)
+    y = torch.tensor([[math.log(r["total"])] for r in rows], dtype=torch.float64)  # (rows, 1)
     coef = torch.linalg.lstsq(X, y).solution.flatten().tolist()
     return {"G": coef[1], "tokens": coef[2], "params": coef[3]}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--group-size", type=int, default=4)
-    p.add_argument("--prompts", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=64, help="model width for the profile (default 64)")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks for the profile (default 2)")
+    p.add_argument("--group-size", type=int, default=4, help="G, completions per prompt (default 4)")
+    p.add_argument("--prompts", type=int, default=2, help="prompts per step (default 2)")
+    p.add_argument("--tokens", type=int, default=32, help="completion length, forced (default 32)")
     p.add_argument("--steps", type=int, default=10, help="measured steps (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured first steps (default 2)")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--scaling", action="store_true", help="the scaling table instead of one profile")
+    p.add_argument("--repeats", type=int, default=3, help="--scaling: sweeps over all settings (default 3)")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # a model dir: profile once, print JSON
     a = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -152,23 +155,31 @@ def main(argv=None):
     settings = ([(a.group_size * m, a.tokens, sizes[0]) for m in (1, 2, 4)]
                 + [(a.group_size, a.tokens * m, sizes[0]) for m in (2, 4)]
                 + [(a.group_size, a.tokens, s) for s in sizes[1:]])
-    rows = []
+    # WHY: a shared machine's speed drifts by tens of percent over minutes. Sweeping every setting once per repeat
+    #      and taking each row's median over repeats spreads a slow spell over all rows instead of a few.
+    runs = [[] for _ in settings]
     with tempfile.TemporaryDirectory() as tmp:
-        for G, T, (hidden, layers) in settings:
-            model_dir = Path(tmp) / f"h{hidden}l{layers}"
-            if not model_dir.exists():
-                build_model(model_dir, hidden, layers, 4)
-            cmd = [sys.executable, __file__, "--worker", str(model_dir), "--group-size", str(G), "--prompts",
-                   str(a.prompts), "--tokens", str(T), "--steps", str(a.steps), "--warmup", str(a.warmup),
-                   "--threads", str(a.threads)]
-            env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-            if proc.returncode != 0:
-                raise SystemExit(f"error: setting G={G} T={T} h={hidden} failed:\n{proc.stderr[-2000:]}")
-            res = json.loads(proc.stdout.strip().splitlines()[-1])
-            rows.append({"group_size": G, "tokens": T, "hidden": hidden, "layers": layers, **res})
-            print(f"G={G} T={T} hidden={hidden}x{layers}: {res['total']:.3f} s/step", file=sys.stderr)
-    print(f"\nScaling, {a.prompts} prompts/step, {a.threads} thread(s), median of {a.steps} steps\n")
+        for rep in range(a.repeats):
+            for i, (G, T, (hidden, layers)) in enumerate(settings):
+                model_dir = Path(tmp) / f"h{hidden}l{layers}"
+                if not model_dir.exists():
+                    build_model(model_dir, hidden, layers, 4)
+                cmd = [sys.executable, __file__, "--worker", str(model_dir), "--group-size", str(G), "--prompts",
+                       str(a.prompts), "--tokens", str(T), "--steps", str(a.steps), "--warmup", str(a.warmup),
+                       "--threads", str(a.threads)]
+                env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+                if proc.returncode != 0:
+                    raise SystemExit(f"error: setting G={G} T={T} h={hidden} failed:\n{proc.stderr[-2000:]}")
+                runs[i].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                print(f"repeat {rep + 1}/{a.repeats} G={G} T={T} hidden={hidden}x{layers}: "
+                      f"{runs[i][-1]['total']:.3f} s/step", file=sys.stderr)
+    rows = [{"group_size": G, "tokens": T, "hidden": hidden, "layers": layers,
+             **{k: statistics.median(r[k] for r in reps) for k in (*PARTS, "total")},
+             "peak_rss_mb": max(r["peak_rss_mb"] for r in reps), "parameters": reps[0]["parameters"]}
+            for (G, T, (hidden, layers)), reps in zip(settings, runs)]
+    print(f"\nScaling, {a.prompts} prompts/step, {a.threads} thread(s), median of {a.steps} steps, "
+          f"then the median over {a.repeats} sweeps\n")
     print("| G | tokens | model (params) | s/step | generation | train fwd+bwd | other parts | peak RSS (MB) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

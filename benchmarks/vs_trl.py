@@ -4,19 +4,25 @@ benchmarks/vs_trl.py -- our grpo_step against TRL's GRPOTrainer on identical wor
     pip install -r benchmarks/requirements.txt           # TRL: a benchmark dependency only
     python benchmarks/vs_trl.py                          # hidden-64 model, G=4, 2 prompts/step, 32 tokens, 1 thread
     python benchmarks/vs_trl.py --hidden 256 --layers 4  # the larger size
+    python benchmarks/vs_trl.py --arch qwen2.5-0.5b --device cuda --bf16 --group-size 8 --tokens 512 \
+        --steps 5 --warmup 1 --rounds 1                  # on a GPU: Qwen2.5-0.5B's architecture, random weights
 
 Identical work on both sides:
-    - the same saved model and tokenizer (a tiny_world Llama, random weights, saved to a temporary folder);
+    - the same saved model and tokenizer (a tiny_world Llama or Qwen2.5-0.5B's architecture, random weights,
+      the tiny_world character tokenizer, saved to a temporary folder);
     - the same prompts (tiny-world questions), G, prompts per step, and completion length, forced with
       min_new_tokens = max_new_tokens so neither side can stop early;
-    - fp32, the same torch thread count, offline (HF_HUB_OFFLINE=1, report_to="none");
+    - fp32 (or, with --bf16, bf16 autocast over fp32 weights), the same device and torch thread count,
+      offline (HF_HUB_OFFLINE=1, report_to="none");
     - the same beta, num_iterations (μ), loss_type ("grpo"), learning rate, grad-norm clip, sampling
       (temperature 1, top_k 0, top_p 1) and reward function (rewards.correctness_reward).
 
 Each side runs in a fresh process of its own, so its peak RSS is its own (imports included: that is what a user
 pays). The sides alternate for --rounds rounds, so a busy machine slows both alike; the reported s/step is the
-median over rounds of each round's median step time after --warmup steps. The last line printed is JSON:
-    {"ours_s_per_step", "trl_s_per_step", "ratio", "ours_peak_rss_mb", "trl_peak_rss_mb", ...}
+median over rounds of each round's median step time after --warmup steps, and the per-round ratios show how
+noisy the machine was. The last line printed is JSON:
+    {"ours_s_per_step", "trl_s_per_step", "ratio", "round_ratios", "ours_peak_rss_mb", "trl_peak_rss_mb",
+     "ours_peak_gpu_mb" and "trl_peak_gpu_mb" (on a GPU: torch.cuda.max_memory_allocated), ...}
 Without TRL installed it says so and exits 0 (a skip, not a failure).
 """
 
@@ -36,11 +42,29 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def build_model(path: Path, hidden: int, layers: int, heads: int):
-    """A random tiny_world Llama and its character tokenizer, saved where both sides load them from."""
+# Qwen2.5-0.5B's architecture, from its config.json (the weights here are random: the hub is not needed).
+QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, hidden_act="silu", max_position_embeddings=32768,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+
+
+def build_model(path: Path, hidden: int, layers: int, heads: int, arch: str = "llama"):
+    """A random model and the tiny_world character tokenizer, saved where both sides load them from.
+    arch "llama": a tiny_world Llama of the given size; "qwen2.5-0.5b": Qwen2.5-0.5B's exact architecture
+    (hidden, layers and heads are then ignored)."""
     import tiny_world
     tok = tiny_world.char_tokenizer()
-    model = tiny_world.tiny_llama(tok, hidden=hidden, layers=layers, heads=heads, seed=0)
+    if arch == "qwen2.5-0.5b":
+        import torch
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+        torch.manual_seed(0)
+        # NOTE: the character tokenizer's ids all lie inside Qwen's 151,936-entry vocabulary, so the model's
+        #       embedding and output layer keep their real size, and with them the logits' memory.
+        model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B, bos_token_id=tok.bos_token_id,
+                                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+    else:
+        model = tiny_world.tiny_llama(tok, hidden=hidden, layers=layers, heads=heads, seed=0)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return sum(p.numel() for p in model.parameters())
@@ -57,6 +81,22 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+def peaks(device: str) -> dict:
+    """Peak RSS of this process, and on a GPU the peak memory PyTorch allocated there."""
+    import torch
+    out = {"peak_rss_mb": peak_rss_mb()}
+    if device.startswith("cuda"):
+        out["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
+
+
+def sync(device: str):
+    """Wait for the GPU, so a timer read after it counts the work queued before it."""
+    import torch
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 # ----------------------------------------------------------------------------------------------
 # The two workers. Each runs --steps steps and prints one JSON line: step times and peak RSS.
 # ----------------------------------------------------------------------------------------------
@@ -69,19 +109,25 @@ def run_ours(a) -> dict:
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(a.model_dir)
     policy = grpo.disable_dropout(AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32))
+    policy = policy.to(a.device)
     cfg = grpo.GRPOConfig(group_size=a.group_size, max_new_tokens=a.tokens, min_new_tokens=a.tokens, beta=a.beta,
                           num_iterations=a.num_iterations, lr=a.lr, micro_batch_size=a.prompts * a.group_size)
     ref = grpo.make_reference(policy) if a.beta else None
     opt = grpo.make_optimizer(policy, cfg)
     rows = rows_for(a.steps * a.prompts)
+    # WHY: fp32 weights with bf16 autocast, as train_gsm8k.py --bf16 and TRL's bf16=True both do.
+    autocast = torch.autocast(device_type=a.device.split(":")[0], dtype=torch.bfloat16, enabled=a.bf16)
     times = []
     for step in range(a.steps):
         batch = rows[step * a.prompts:(step + 1) * a.prompts]
+        sync(a.device)
         t = time.perf_counter()
-        grpo.grpo_step(policy, ref, opt, tok, [r["prompt"] for r in batch], [rewards.correctness_reward], cfg,
-                       columns={"answer": [r["answer"] for r in batch]})
+        with autocast:
+            grpo.grpo_step(policy, ref, opt, tok, [r["prompt"] for r in batch], [rewards.correctness_reward], cfg,
+                           columns={"answer": [r["answer"] for r in batch]})
+        sync(a.device)
         times.append(time.perf_counter() - t)
-    return {"step_times": times, "peak_rss_mb": peak_rss_mb()}
+    return {"step_times": times, **peaks(a.device)}
 
 
 def run_trl(a) -> dict:
@@ -98,14 +144,16 @@ def run_trl(a) -> dict:
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
+            sync(a.device)
             started.append(time.perf_counter())
 
         def on_step_end(self, args, state, control, **kw):
+            sync(a.device)
             times.append(time.perf_counter() - started[-1])
 
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
-            output_dir=out, report_to="none", use_cpu=True, bf16=False, fp16=False, seed=0,
+            output_dir=out, report_to="none", use_cpu=a.device == "cpu", bf16=a.bf16, fp16=False, seed=0,
             max_steps=a.steps, per_device_train_batch_size=a.prompts * a.group_size, gradient_accumulation_steps=1,
             num_generations=a.group_size, max_completion_length=a.tokens,
             generation_kwargs={"min_new_tokens": a.tokens}, temperature=1.0, top_k=0, top_p=1.0,
@@ -118,7 +166,7 @@ def run_trl(a) -> dict:
                               train_dataset=Dataset.from_list(rows_for(a.steps * a.prompts)), processing_class=tok,
                               callbacks=[StepTimer()])
         trainer.train()
-    return {"step_times": times, "peak_rss_mb": peak_rss_mb()}
+    return {"step_times": times, **peaks(a.device)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,9 +174,9 @@ def run_trl(a) -> dict:
 # ----------------------------------------------------------------------------------------------
 def worker_cmd(a, side: str, model_dir: Path) -> list[str]:
     flags = ["--worker", side, "--model-dir", str(model_dir)]
-    for k in ("threads", "group_size", "prompts", "tokens", "steps", "beta", "num_iterations", "lr"):
+    for k in ("threads", "group_size", "prompts", "tokens", "steps", "warmup", "beta", "num_iterations", "lr", "device"):
         flags += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
-    return [sys.executable, __file__, *flags]
+    return [sys.executable, __file__, *flags, *(["--bf16"] if a.bf16 else [])]
 
 
 def run_worker(cmd: list[str]) -> dict:
@@ -143,6 +191,9 @@ def run_worker(cmd: list[str]) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", choices=["llama", "qwen2.5-0.5b"], default="llama",
+                   help="llama: a tiny_world Llama sized by --hidden/--layers/--heads (default); qwen2.5-0.5b: "
+                        "Qwen2.5-0.5B's exact architecture with random weights (for a GPU)")
     p.add_argument("--hidden", type=int, default=64, help="model width (default 64)")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
@@ -152,15 +203,19 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=32, help="completion length, forced on both sides (default 32)")
     p.add_argument("--steps", type=int, default=12, help="steps per side per round (default 12)")
     p.add_argument("--warmup", type=int, default=2, help="first steps of each round left out of the median (default 2)")
-    p.add_argument("--rounds", type=int, default=2, help="alternating ours/TRL rounds (default 2)")
+    p.add_argument("--rounds", type=int, default=5, help="alternating ours/TRL rounds (default 5)")
     p.add_argument("--beta", type=float, default=0.04, help="KL weight on both sides (default 0.04, the paper's)")
     p.add_argument("--num-iterations", type=int, default=1, help="μ on both sides (default 1)")
     p.add_argument("--lr", type=float, default=1e-4, help="learning rate on both sides (default 1e-4)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda; on cuda peak GPU memory is reported too")
+    p.add_argument("--bf16", action="store_true", help="bf16 autocast over fp32 weights on both sides (default fp32)")
     p.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.steps <= a.warmup:
         p.error(f"--steps ({a.steps}) must be larger than --warmup ({a.warmup})")
+    if a.device != "cpu" and not a.device.startswith("cuda"):
+        p.error(f"--device must be cpu or cuda[:N], got {a.device!r}")
 
     if a.worker:
         print(json.dumps((run_ours if a.worker == "ours" else run_trl)(a)))
@@ -175,36 +230,56 @@ def main(argv=None):
     import torch
     import transformers
     with tempfile.TemporaryDirectory() as tmp:
-        n_params = build_model(Path(tmp) / "model", a.hidden, a.layers, a.heads)
+        if a.device.startswith("cuda") and not torch.cuda.is_available():
+            raise SystemExit(f"error: --device {a.device}, but torch {torch.__version__} sees no CUDA GPU")
+        n_params = build_model(Path(tmp) / "model", a.hidden, a.layers, a.heads, a.arch)
         runs = {"ours": [], "trl": []}
         for r in range(a.rounds):
             for side in ("ours", "trl"):
                 res = run_worker(worker_cmd(a, side, Path(tmp) / "model"))
                 runs[side].append(res)
                 median = statistics.median(res["step_times"][a.warmup:])
+                gpu = f", peak GPU {res['peak_gpu_mb']:.0f} MB" if "peak_gpu_mb" in res else ""
                 print(f"round {r + 1}/{a.rounds} {side:4s}: median {median:.3f} s/step, "
-                      f"peak RSS {res['peak_rss_mb']:.0f} MB", file=sys.stderr)
+                      f"peak RSS {res['peak_rss_mb']:.0f} MB{gpu}", file=sys.stderr)
 
     def s_per_step(side):
         return statistics.median(statistics.median(r["step_times"][a.warmup:]) for r in runs[side])
 
-    def rss(side):
-        return max(r["peak_rss_mb"] for r in runs[side])
+    def peak(side, key):
+        return max(r[key] for r in runs[side])
 
     ours, theirs = s_per_step("ours"), s_per_step("trl")
+    # WHY: the two sides of a round ran back to back, so the spread of the per-round ratios shows the timing noise.
+    round_ratios = [statistics.median(o["step_times"][a.warmup:]) / statistics.median(t["step_times"][a.warmup:])
+                    for o, t in zip(runs["ours"], runs["trl"])]
+    model = (f"qwen2.5-0.5b architecture, random weights ({n_params / 1e6:.0f} M parameters)" if a.arch != "llama"
+             else f"llama hidden {a.hidden}, {a.layers} layers ({n_params / 1e6:.2f} M parameters)")
+    on_gpu = a.device.startswith("cuda")
     result = {
         "ours_s_per_step": round(ours, 4), "trl_s_per_step": round(theirs, 4), "ratio": round(ours / theirs, 3),
-        "ours_peak_rss_mb": round(rss("ours"), 1), "trl_peak_rss_mb": round(rss("trl"), 1),
-        "model": f"llama hidden {a.hidden}, {a.layers} layers ({n_params / 1e6:.2f} M parameters)",
+        "round_ratios": [round(r, 2) for r in round_ratios],
+        "ours_peak_rss_mb": round(peak("ours", "peak_rss_mb"), 1),
+        "trl_peak_rss_mb": round(peak("trl", "peak_rss_mb"), 1),
+        **({"ours_peak_gpu_mb": round(peak("ours", "peak_gpu_mb"), 1),
+            "trl_peak_gpu_mb": round(peak("trl", "peak_gpu_mb"), 1)} if on_gpu else {}),
+        "model": model,
         "work": f"G={a.group_size}, {a.prompts} prompts/step, {a.tokens} tokens, beta={a.beta}, mu={a.num_iterations}",
+        "precision": "bf16 autocast" if a.bf16 else "fp32", "device": a.device,
         "threads": a.threads, "rounds": a.rounds, "steps_per_round": a.steps, "warmup": a.warmup,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
-        "transformers": transformers.__version__, "trl": trl.__version__,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores"
+                   + (f", {torch.cuda.get_device_name(a.device)}" if on_gpu else ""),
+        "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
     }
-    print(f"\n| {result['model']}, {result['work']}, {a.threads} thread(s) | ours | TRL GRPOTrainer | ours / TRL |\n"
-          f"|---|---|---|---|\n"
-          f"| median s/step | {ours:.3f} | {theirs:.3f} | {ours / theirs:.2f} |\n"
-          f"| peak RSS (MB) | {rss('ours'):.0f} | {rss('trl'):.0f} | {rss('ours') / rss('trl'):.2f} |\n")
+    rows = [("median s/step", ours, theirs, ".3f"),
+            ("peak RSS (MB)", result["ours_peak_rss_mb"], result["trl_peak_rss_mb"], ".0f")]
+    if on_gpu:
+        rows.append(("peak GPU memory (MB)", result["ours_peak_gpu_mb"], result["trl_peak_gpu_mb"], ".0f"))
+    print(f"\n| {model}, {result['work']}, {result['precision']} on {a.device}, {a.threads} thread(s) "
+          f"| ours | TRL GRPOTrainer | ours / TRL |\n|---|---|---|---|")
+    for name, x, y, fmt in rows:
+        print(f"| {name} | {x:{fmt}} | {y:{fmt}} | {x / y:.2f} |")
+    print(f"\nper-round ratios (ours / TRL): {min(round_ratios):.2f} to {max(round_ratios):.2f}\n")
     print(json.dumps(result))
     return result
 

@@ -29,6 +29,7 @@ def test_vs_trl_reports_both_sides():
     for key in ("ours_s_per_step", "trl_s_per_step", "ratio", "ours_peak_rss_mb", "trl_peak_rss_mb"):
         assert res[key] > 0, key
     assert res["ratio"] == pytest.approx(res["ours_s_per_step"] / res["trl_s_per_step"], rel=0.01)
+    assert len(res["round_ratios"]) == 1 and res["round_ratios"][0] == pytest.approx(res["ratio"], abs=0.01)
 
 
 def test_profile_parts_add_up_to_the_step():
@@ -38,3 +39,14 @@ def test_profile_parts_add_up_to_the_step():
     # medians of parts need not sum exactly to the median total; within 20% they must
     assert sum(res[p] for p in parts) == pytest.approx(res["total"], rel=0.2)
     assert res["generation"] > 0 and res["train fwd+bwd"] > 0 and res["no-grad log-probs"] > 0
+
+
+def test_scaling_fit_recovers_a_known_power_law():
+    """Rows made from t = 0.01 · G^0.5 · T^1 · P^0.25 exactly: the least-squares fit returns 0.5, 1 and 0.25."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from profile_step import fit_exponents
+    rows = [{"group_size": G, "tokens": T, "parameters": P, "total": 0.01 * G ** 0.5 * T * P ** 0.25}
+            for G, T, P in [(4, 32, 1e5), (8, 32, 1e5), (16, 32, 1e5), (4, 64, 1e5), (4, 128, 1e5), (4, 32, 1e6),
+                            (4, 32, 4e6)]]
+    exps = fit_exponents(rows)
+    assert exps == pytest.approx({"G": 0.5, "tokens": 1.0, "params": 0.25}, abs=1e-9)
