@@ -48,6 +48,7 @@ The steps below, in order
 
 from __future__ import annotations
 
+import bisect
 import copy
 import inspect
 import math
@@ -370,10 +371,13 @@ def step_token_index(tokenizer, completion_ids: torch.Tensor, lengths: torch.Ten
     so the final-answer step credits stopping too. completion_ids (N, T), lengths (N,)."""
     out = []
     for ids, n, ends in zip(completion_ids.tolist(), lengths.tolist(), step_ends):
-        pieces = tokenizer.batch_decode([[t] for t in ids[:n]], skip_special_tokens=True)
-        stops = torch.tensor([len(p) for p in pieces]).cumsum(0)                  # (n,) chars up to each token
-        text_len = int(stops[-1]) if n else 0
-        out.append([n - 1 if e >= text_len else int(torch.searchsorted(stops, e - 1, right=True)) for e in ends])
+        # WHY decode prefixes, not single tokens: a SentencePiece token decoded alone loses its leading space, and
+        #     a byte-level token holding part of a character decodes to "�". A prefix decodes as the whole text does.
+        def chars_through(k, ids=ids):  # length of the text that tokens 0..k decode to
+            return len(tokenizer.decode(ids[:k + 1], skip_special_tokens=True))
+        text_len = chars_through(n - 1) if n else 0
+        # The first token whose prefix holds character e-1 (the step's last); a binary search, log2(n) decodes.
+        out.append([n - 1 if e >= text_len else bisect.bisect_left(range(n), e, key=chars_through) for e in ends])
     return out
 
 

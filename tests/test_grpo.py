@@ -540,6 +540,39 @@ def test_step_ends_map_to_the_token_holding_their_last_character(tiny):
     assert grpo.step_token_index(tok, ids, torch.tensor([17]), [[13, len(text)]]) == [[12, 16]]
 
 
+def subword_tokenizers():
+    """Two tokenizers built here, offline: SentencePiece-style (Metaspace: '▁' marks a word's leading space, and a
+    token decoded alone drops it) and byte-level BPE over bytes alone (so '€' is 3 tokens, each alone a '�')."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    corpus = ["Tom has 3 apples. He buys 4 more for 1 €, so 3+4=7. The answer is 7 apples."] * 20
+    sp = Tokenizer(models.BPE(unk_token="<unk>"))
+    sp.pre_tokenizer, sp.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    sp.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"]))
+    bl = Tokenizer(models.BPE())
+    bl.pre_tokenizer, bl.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bl.train_from_iterator([], trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"],
+                                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return {"sentencepiece": PreTrainedTokenizerFast(tokenizer_object=sp, eos_token="</s>", unk_token="<unk>"),
+            "byte-level": PreTrainedTokenizerFast(tokenizer_object=bl, eos_token="</s>")}
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "byte-level"])
+def test_step_ends_map_to_tokens_on_subword_tokenizers(kind):
+    """Against the slow, obvious answer (the first k whose decoded prefix ids[:k+1] is at least e characters
+    long), on text whose words carry leading spaces and whose '€' is split over 3 byte tokens. Decoding tokens
+    one at a time would drift by a character per word (SentencePiece) or 2 per '€' (byte-level)."""
+    tok = subword_tokenizers()[kind]
+    text = "Tom has 3 apples. He pays 4 €, so 3+4=7. €€ The answer is 7."
+    ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    ends = [text.index(".") + 1, text.index("€") + 1, text.index("7.") + 2, text.index("€€") + 2, len(text)]
+    slow = [next(k for k in range(len(ids)) if len(tok.decode(ids[:k + 1], skip_special_tokens=True)) >= e)
+            for e in ends[:-1]] + [len(ids) - 1]                      # the last step ends at the EOS
+    assert grpo.step_token_index(tok, torch.tensor([ids]), torch.tensor([len(ids)]), [ends]) == [slow]
+    assert tok.decode(ids[:slow[0] + 1], skip_special_tokens=True).endswith("apples.")
+
+
 def test_gspo_sequence_ratio_hand_worked():
     """log(π_θ/π_old) = [0.1, 0.3] on one completion. Token level: ratios e^0.1 = 1.10517 and e^0.3 = 1.34986,
     clipped to 1.2 for A = +1: loss = -(1.10517 + 1.2) / 2 = -1.15259. GSPO: one ratio s = e^((0.1+0.3)/2)
