@@ -23,9 +23,12 @@ def run(*args):
 
 
 @pytest.mark.slow
-def test_vs_trl_reports_both_sides():
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16-autocast"])
+def test_vs_trl_reports_both_sides(precision):
     pytest.importorskip("trl", reason="TRL is not installed: pip install -r benchmarks/requirements.txt")
-    res = run("benchmarks/vs_trl.py", "--steps", "3", "--warmup", "1", "--rounds", "1", "--tokens", "4")
+    res = run("benchmarks/vs_trl.py", "--steps", "3", "--warmup", "1", "--rounds", "1", "--tokens", "4", *precision)
+    assert res["precision"] == ("bf16 autocast" if precision else "fp32") and res["device"] == "cpu"
+    assert "ours_peak_gpu_mb" not in res                                        # only on a GPU
     for key in ("ours_s_per_step", "trl_s_per_step", "ratio", "ours_peak_rss_mb", "trl_peak_rss_mb"):
         assert res[key] > 0, key
     assert res["ratio"] == pytest.approx(res["ours_s_per_step"] / res["trl_s_per_step"], rel=0.01)
