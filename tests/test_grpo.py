@@ -331,6 +331,8 @@ def test_sample_completions_groups_and_masks(tiny):
     batch = grpo.sample_completions(model, tok, ["ab", "abcdef"], cfg)
     N, T = batch["completion_ids"].shape
     assert N == 8 and T <= 8
+    # decoding ran under inference_mode; its outputs must still be ordinary tensors that backward can save
+    assert not any(v.is_inference() for v in batch.values() if torch.is_tensor(v))
     assert torch.equal(batch["prompt_ids"][0], batch["prompt_ids"][3])          # group rows are contiguous
     assert not torch.equal(batch["prompt_ids"][0], batch["prompt_ids"][4])
     assert batch["prompt_mask"][0].tolist()[:4] == [0, 0, 0, 0]                  # left padding
