@@ -215,6 +215,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.steps <= a.warmup:
         p.error(f"--steps ({a.steps}) must be larger than --warmup ({a.warmup})")
+    if a.group_size < 2:
+        p.error(f"--group-size must be at least 2 (a group baseline needs 2), got {a.group_size}")
     if a.device != "cpu" and not a.device.startswith("cuda"):
         p.error(f"--device must be cpu or cuda[:N], got {a.device!r}")
 

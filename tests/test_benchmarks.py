@@ -53,3 +53,12 @@ def test_scaling_fit_recovers_a_known_power_law():
                             (4, 32, 4e6)]]
     exps = fit_exponents(rows)
     assert exps == pytest.approx({"G": 0.5, "tokens": 1.0, "params": 0.25}, abs=1e-9)
+
+
+@pytest.mark.parametrize("script", ["benchmarks/vs_trl.py", "benchmarks/profile_step.py"])
+def test_bad_group_size_is_a_one_line_error(script):
+    proc = subprocess.run([sys.executable, script, "--group-size", "1"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].endswith("--group-size must be at least 2 (a group baseline needs 2), "
+                                                         "got 1")
