@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import bisect
 import copy
+import functools
+import importlib.metadata
 import inspect
 import math
 import time
@@ -172,10 +174,17 @@ def _accepts_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
+@functools.cache
+def _transformers_major() -> int:
+    return int(importlib.metadata.version("transformers").split(".")[0])  # WHY cached: a lookup takes ~2 ms
+
+
 def _sdpa_full_attention(model) -> bool:
-    """True when every layer runs PyTorch's SDPA kernel with full (not sliding-window) attention."""
+    """True when every layer runs PyTorch's SDPA kernel with full (not sliding-window) attention, under
+    transformers 5, whose mask code hands a ready 4D mask to the kernel unchanged (4.x is not tested here)."""
     c = model.config
-    return (getattr(c, "_attn_implementation", None) == "sdpa" and getattr(c, "sliding_window", None) is None
+    return (_transformers_major() >= 5
+            and getattr(c, "_attn_implementation", None) == "sdpa" and getattr(c, "sliding_window", None) is None
             and all(kind == "full_attention" for kind in getattr(c, "layer_types", None) or ["full_attention"]))
 
 
