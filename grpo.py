@@ -222,9 +222,9 @@ def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig, gr
     was_training = model.training
     model.eval()  # WHY: with gradient checkpointing, train mode turns the KV cache off and generation crawls.
     cache_kwarg = _cache_kwarg(model)
-    # WHY (speed): inference_mode skips autograd's bookkeeping (version counters, views) on every op, about a
-    # tenth of generation for a small model. Tensors made inside cannot be saved for backward, so the outputs are
-    # built from them after the block, where ordinary ops return ordinary tensors.
+    # WHY (speed): inference_mode skips autograd's bookkeeping (version counters, views) on every op, which counts
+    # when a small model's time is per-op overhead. Tensors made inside cannot be saved for backward, so the
+    # outputs are built from them after the block, where ordinary ops return ordinary tensors.
     with torch.inference_mode():
         # Prefill: one pass over each distinct prompt. WHY (speed): the G copies of a prompt would compute the same
         # keys and values G times; compute them once and repeat the KV cache G times instead.
@@ -242,8 +242,8 @@ def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig, gr
         # Every generated column counts as real: a row that has finished only goes on to make pads nobody reads.
         P = prompt_mask.shape[1]
         seen = torch.cat([prompt_mask, prompt_mask.new_ones(N, cfg.max_new_tokens)], dim=1)  # (N, P+T)
-        # WHY (speed): transformers rebuilds a causal mask from the 2D mask at every decode step (~12% of generation
-        # at hidden 64). For one new token under SDPA the mask is just "every real token so far", so we hand over a
+        # WHY (speed): transformers rebuilds a causal mask from the 2D mask at every decode step, a pile of small
+        # ops per token. For one new token under SDPA the mask is just "every real token so far", so we hand over a
         # ready 4D view and that work is skipped. Other kernels (eager, flash, sliding windows) get the 2D mask.
         sdpa = _sdpa_full_attention(model)
         if sdpa:
