@@ -134,8 +134,11 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="--scaling: sweeps over all settings (default 3)")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # a model dir: profile once, print JSON
     a = p.parse_args(argv)
-    if a.group_size < 2:
-        p.error(f"--group-size must be at least 2 (a group baseline needs 2), got {a.group_size}")
+    import grpo
+    try:  # the worker's config, built once here so a bad value is GRPOConfig's one-line error
+        grpo.GRPOConfig(group_size=a.group_size, max_new_tokens=a.tokens, min_new_tokens=a.tokens)
+    except ValueError as e:
+        p.error(str(e))
     if a.steps < 1 or a.warmup < 0 or a.repeats < 1:
         p.error("--steps and --repeats must be at least 1, --warmup at least 0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

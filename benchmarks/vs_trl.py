@@ -100,6 +100,13 @@ def sync(device: str):
 # ----------------------------------------------------------------------------------------------
 # The two workers. Each runs --steps steps and prints one JSON line: step times and peak RSS.
 # ----------------------------------------------------------------------------------------------
+def grpo_config(a):
+    """Our side's config; main() also builds it first, so a bad value is GRPOConfig's one-line error."""
+    import grpo
+    return grpo.GRPOConfig(group_size=a.group_size, max_new_tokens=a.tokens, min_new_tokens=a.tokens, beta=a.beta,
+                           num_iterations=a.num_iterations, lr=a.lr, micro_batch_size=a.prompts * a.group_size)
+
+
 def run_ours(a) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -110,8 +117,7 @@ def run_ours(a) -> dict:
     tok = AutoTokenizer.from_pretrained(a.model_dir)
     policy = grpo.disable_dropout(AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32))
     policy = policy.to(a.device)
-    cfg = grpo.GRPOConfig(group_size=a.group_size, max_new_tokens=a.tokens, min_new_tokens=a.tokens, beta=a.beta,
-                          num_iterations=a.num_iterations, lr=a.lr, micro_batch_size=a.prompts * a.group_size)
+    cfg = grpo_config(a)
     ref = grpo.make_reference(policy) if a.beta else None
     opt = grpo.make_optimizer(policy, cfg)
     rows = rows_for(a.steps * a.prompts)
@@ -215,8 +221,10 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.steps <= a.warmup:
         p.error(f"--steps ({a.steps}) must be larger than --warmup ({a.warmup})")
-    if a.group_size < 2:
-        p.error(f"--group-size must be at least 2 (a group baseline needs 2), got {a.group_size}")
+    try:
+        grpo_config(a)
+    except ValueError as e:
+        p.error(str(e))
     if a.device != "cpu" and not a.device.startswith("cuda"):
         p.error(f"--device must be cpu or cuda[:N], got {a.device!r}")
 
@@ -232,6 +240,9 @@ def main(argv=None):
     import platform
     import torch
     import transformers
+    def median_step(res):  # one worker's median step time, warm-up steps left out
+        return statistics.median(res["step_times"][a.warmup:])
+
     with tempfile.TemporaryDirectory() as tmp:
         if a.device.startswith("cuda") and not torch.cuda.is_available():
             raise SystemExit(f"error: --device {a.device}, but torch {torch.__version__} sees no CUDA GPU")
@@ -241,21 +252,20 @@ def main(argv=None):
             for side in ("ours", "trl"):
                 res = run_worker(worker_cmd(a, side, Path(tmp) / "model"))
                 runs[side].append(res)
-                median = statistics.median(res["step_times"][a.warmup:])
+                median = median_step(res)
                 gpu = f", peak GPU {res['peak_gpu_mb']:.0f} MB" if "peak_gpu_mb" in res else ""
                 print(f"round {r + 1}/{a.rounds} {side:4s}: median {median:.3f} s/step, "
                       f"peak RSS {res['peak_rss_mb']:.0f} MB{gpu}", file=sys.stderr)
 
     def s_per_step(side):
-        return statistics.median(statistics.median(r["step_times"][a.warmup:]) for r in runs[side])
+        return statistics.median(median_step(r) for r in runs[side])
 
     def peak(side, key):
         return max(r[key] for r in runs[side])
 
     ours, theirs = s_per_step("ours"), s_per_step("trl")
     # WHY: the two sides of a round ran back to back, so the spread of the per-round ratios shows the timing noise.
-    round_ratios = [statistics.median(o["step_times"][a.warmup:]) / statistics.median(t["step_times"][a.warmup:])
-                    for o, t in zip(runs["ours"], runs["trl"])]
+    round_ratios = [median_step(o) / median_step(t) for o, t in zip(runs["ours"], runs["trl"])]
     model = (f"qwen2.5-0.5b architecture, random weights ({n_params / 1e6:.0f} M parameters)" if a.arch != "llama"
              else f"llama hidden {a.hidden}, {a.layers} layers ({n_params / 1e6:.2f} M parameters)")
     on_gpu = a.device.startswith("cuda")
