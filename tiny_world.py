@@ -30,9 +30,7 @@ import json
 import math
 import os
 import random
-import shutil
 import string
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,6 +39,8 @@ import torch
 from tqdm.auto import tqdm
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from checkpoint import save_pretrained_atomic
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 # WHY: printable ASCII plus newline covers GSM8K-style text; anything else maps to <unk>.
@@ -231,29 +231,6 @@ def supervised_loss(model, tokenizer, rows: list[dict]) -> torch.Tensor:
     for i, p in enumerate(prompts):
         labels[i, :len(p)] = -100  # WHY: one token per character, so the prompt is exactly len(p) tokens
     return model(**enc, labels=labels).loss
-
-
-def save_pretrained_atomic(model, tokenizer, path: Path, extra_files: dict[str, str | bytes] | None = None) -> Path:
-    """`save_pretrained` the model and tokenizer (plus any extra files) into a temporary sibling directory,
-    then rename it to `path`, so a crash while writing never leaves a half-written checkpoint."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        for name, data in (extra_files or {}).items():
-            (tmp / name).write_bytes(data if isinstance(data, bytes) else data.encode())
-        if path.exists():  # WHY: move the old one aside first, so `path` is never a half-deleted directory
-            old = Path(tempfile.mkdtemp(prefix=f".old-{path.name}-", dir=path.parent))
-            os.replace(path, old / path.name)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)  # atomic on one filesystem
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
 
 
 def warm_start(cfg: WarmStartConfig = WarmStartConfig(), cache_dir: Path | None = None, log=print) -> Path:

@@ -10,7 +10,9 @@ import statistics
 import pytest
 import torch
 
+import engine
 import grpo
+import rewards
 import tiny_world
 
 LN2 = math.log(2.0)
@@ -244,7 +246,7 @@ def model_for(arch, tiny):
     if arch == "llama-eager":
         model = copy.deepcopy(model)
         model.set_attn_implementation("eager")
-        assert not grpo._sdpa_full_attention(model)
+        assert not engine.sdpa_full_attention(model)
         return model
     return model if arch == "llama" else tiny_gpt2(tok)
 
@@ -252,13 +254,13 @@ def model_for(arch, tiny):
 def test_ready_4d_mask_only_for_full_sdpa_attention(tiny):
     """The 4D-mask shortcut is for SDPA with full attention only; a sliding window or eager kernel opts out."""
     _, model = tiny
-    assert grpo._sdpa_full_attention(model)
+    assert engine.sdpa_full_attention(model)
     sliding = copy.deepcopy(model)
     sliding.config.sliding_window = 16
-    assert not grpo._sdpa_full_attention(sliding)
+    assert not engine.sdpa_full_attention(sliding)
     sliding.config.sliding_window = None
     sliding.config.layer_types = ["full_attention", "sliding_attention"]
-    assert not grpo._sdpa_full_attention(sliding)
+    assert not engine.sdpa_full_attention(sliding)
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama-eager", "gpt2"])
@@ -539,7 +541,7 @@ def test_step_ends_map_to_the_token_holding_their_last_character(tiny):
     tok, _ = tiny
     text = "1+1=<<1+1=2>>2\n#"
     ids = torch.tensor([tok.convert_tokens_to_ids(list(text)) + [tok.eos_token_id, tok.pad_token_id]])
-    assert grpo.step_token_index(tok, ids, torch.tensor([17]), [[13, len(text)]]) == [[12, 16]]
+    assert rewards.step_token_index(tok, ids, torch.tensor([17]), [[13, len(text)]]) == [[12, 16]]
 
 
 def subword_tokenizers():
@@ -571,7 +573,7 @@ def test_step_ends_map_to_tokens_on_subword_tokenizers(kind):
     ends = [text.index(".") + 1, text.index("€") + 1, text.index("7.") + 2, text.index("€€") + 2, len(text)]
     slow = [next(k for k in range(len(ids)) if len(tok.decode(ids[:k + 1], skip_special_tokens=True)) >= e)
             for e in ends[:-1]] + [len(ids) - 1]                      # the last step ends at the EOS
-    assert grpo.step_token_index(tok, torch.tensor([ids]), torch.tensor([len(ids)]), [ends]) == [slow]
+    assert rewards.step_token_index(tok, torch.tensor([ids]), torch.tensor([len(ids)]), [ends]) == [slow]
     assert tok.decode(ids[:slow[0] + 1], skip_special_tokens=True).endswith("apples.")
 
 

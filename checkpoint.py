@@ -1,0 +1,189 @@
+"""
+checkpoint.py -- crash-safe saving and resuming of a training run.
+
+    save_pretrained_atomic(model, tokenizer, path)        # a model directory, written whole or not at all
+    save_checkpoint(out, policy, tokenizer, optimizer, state)   # out/checkpoint-<step>/, then old ones go
+    policy, optimizer, state = load_checkpoint(latest_checkpoint(out), device, cfg)  # RNGs restored
+
+A checkpoint holds the weights and tokenizer (save_pretrained), AdamW's moments, every RNG state
+(torch, CUDA, Python) and the run's own state (step, evaluations, settings) in state.json. Everything is
+written into a temporary directory first and renamed into place, so a kill at any moment leaves the
+previous checkpoint whole (tests/test_resume.py kills a real run with SIGKILL and resumes it).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+import grpo
+from flags import InputError
+
+
+class TrainingStopped(Exception):
+    """The run cannot go on (non-finite weights, or non-finite losses in a row). One line, exit code 1."""
+
+
+def save_pretrained_atomic(model, tokenizer, path: Path,
+                           extra_files: dict[str, str | bytes] | None = None) -> Path:
+    """`save_pretrained` the model and tokenizer (plus any extra files) into a temporary sibling
+    directory, then rename it to `path`, so a crash while writing never leaves a half-written one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data if isinstance(data, bytes) else data.encode())
+        if path.exists():  # WHY: move the old one aside first, so `path` is never half-deleted
+            old = Path(tempfile.mkdtemp(prefix=f".old-{path.name}-", dir=path.parent))
+            os.replace(path, old / path.name)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)  # atomic on one filesystem
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def write_json_atomic(path: Path, obj):
+    """Write JSON to a temporary sibling, then rename it over `path`."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def all_finite(model) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint in a run directory, or None. Incomplete ones never have this
+    name: they are written as .tmp-* and renamed."""
+    found = sorted(Path(run_dir).glob("checkpoint-*/state.json"))
+    return found[-1].parent if found else None
+
+
+def save_checkpoint(out: Path, policy, tokenizer, optimizer, state: dict) -> Path:
+    """out/checkpoint-<step>/ with everything a resumed run needs; then the older checkpoints go.
+
+    WHY crash-safe: the new checkpoint is written under a temporary name and renamed to a name that
+    never existed before; only then is the previous one deleted, so one complete checkpoint always
+    exists, and latest_checkpoint picks the newest.
+    """
+    if not all_finite(policy):  # WHY: never write a poisoned checkpoint over a good one
+        raise TrainingStopped(f"refusing to save a checkpoint at step {state['step']}: "
+                              f"the weights are not finite")
+    trainer = io.BytesIO()
+    torch.save({"optimizer": optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+                "python_rng": random.getstate()}, trainer)
+    path = save_pretrained_atomic(
+        policy, tokenizer, out / f"checkpoint-{state['step']:06d}",
+        extra_files={"state.json": json.dumps(state, indent=1), "trainer_state.pt": trainer.getvalue()})
+    for old in out.glob("checkpoint-*"):
+        if old != path:
+            shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def load_checkpoint(ckpt: Path, device: str, cfg: grpo.GRPOConfig):
+    """(policy, optimizer, state) from a checkpoint directory; every RNG is restored as it was saved."""
+    from transformers import AutoModelForCausalLM
+    policy = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    policy = grpo.disable_dropout(policy).to(device)
+    optimizer = grpo.make_optimizer(policy, cfg)
+    trainer = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    optimizer.load_state_dict(trainer["optimizer"])
+    torch.set_rng_state(trainer["torch_rng"])
+    if trainer["cuda_rng"]:
+        torch.cuda.set_rng_state_all(trainer["cuda_rng"])
+    random.setstate(trainer["python_rng"])
+    return policy, optimizer, json.loads((ckpt / "state.json").read_text())
+
+
+def resume(run_dir: Path, device: str, cfg: grpo.GRPOConfig, logs: list[str]):
+    """(policy, optimizer, state) of a run's newest checkpoint, with the partial saves a kill left
+    removed and each JSONL log in `logs` cut back to the checkpoint's step."""
+    remove_partial_saves(run_dir)
+    policy, optimizer, state = load_checkpoint(latest_checkpoint(run_dir), device, cfg)
+    for name in logs:
+        keep_lines_up_to(run_dir / name, state["step"])
+    return policy, optimizer, state
+
+
+def load_pretrained(name: str, shown_as: str = ""):
+    """(model, tokenizer) from a hub id or a local directory, in fp32 on the CPU. A missing directory,
+    a failed load or non-finite weights raise InputError naming `shown_as` (default: `name`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    shown_as, local = shown_as or name, Path(name).expanduser()
+    # A hub id is "name" or "org/name"; anything on disk, starting like a path, or with more slashes
+    # is a local directory.
+    if local.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        if not local.is_dir():
+            raise InputError(f"model directory {name} does not exist")
+        name = str(local)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        # WHY fp32: AdamW on bf16 weights rounds lr-1e-6 updates away; bf16 compute is autocast's.
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+    except OSError as e:
+        raise InputError(f"cannot load model {shown_as!r}: {str(e).splitlines()[0]}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # NOTE: safe: grpo.py masks by EOS position, not id
+    if not all_finite(model):
+        raise InputError(f"model {shown_as!r} has non-finite weights")
+    return model, tokenizer
+
+
+def saved_state(run_dir: Path) -> dict:
+    """state.json of a run's newest checkpoint (its step, evaluations and settings)."""
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise InputError(f"--resume {run_dir}: no checkpoint there (a run writes checkpoint-<step>/ "
+                         f"every --save-every steps)")
+    return json.loads((ckpt / "state.json").read_text())
+
+
+def count_bad_step(state: dict, skipped: int, max_bad_steps: int, run_dir: Path, step: int):
+    """Numerical safety: grpo_step already skipped a non-finite update; max_bad_steps in a row mean
+    the run itself is broken (a reward returning NaN, an lr far too high, bf16 overflow): stop."""
+    state["skipped_updates"] += skipped
+    state["bad_in_a_row"] = state["bad_in_a_row"] + 1 if skipped else 0
+    if state["bad_in_a_row"] >= max_bad_steps:
+        kept = sorted(run_dir.glob("checkpoint-*"))
+        last = f"the last checkpoint is {kept[-1]}" if kept else "no checkpoint was written"
+        raise TrainingStopped(
+            f"stopped at step {step}: {state['bad_in_a_row']} steps in a row had a non-finite loss or "
+            f"gradient, so their updates were skipped and the weights are untouched; {last} (check "
+            f"the reward functions and --lr; metrics.jsonl shows each step)")
+
+
+def remove_partial_saves(run_dir: Path):
+    """Delete the temporary directories a kill in the middle of a save leaves behind."""
+    for junk in [*run_dir.glob(".tmp-*"), *run_dir.glob(".old-*")]:
+        shutil.rmtree(junk, ignore_errors=True)
+
+
+def keep_lines_up_to(path: Path, step: int):
+    """Rewrite a JSONL log keeping the lines of steps <= `step` (a resumed run redoes the later ones).
+    A torn last line, from a kill while writing, is dropped."""
+    kept = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (json.JSONDecodeError, KeyError, TypeError):
+            pass
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)

@@ -1,0 +1,98 @@
+"""
+flags.py -- command-line flags generated from config dataclasses, with transformers' HfArgumentParser.
+
+    parser = flag_parser([(TrainConfig, preset_overrides, "run"), (GRPOConfig, {}, "GRPO")],
+                         presets=PRESETS, description="...")
+    args = vars(parser.parse_args(argv))        # every field of every dataclass, by name
+
+Each field becomes `--field-name` (and `--field_name`), typed from its annotation (int, float, str, bool,
+Literal choices, Path, `X | None`, list[float]); its --help is the docstring under the field, its
+default and the value each preset gives it. A bool gets both `--x` and `--no-x`. A bad flag prints one
+line and exits with code 2. config_error turns a config's own ValueError ("lr must be > 0, got 0")
+into the flag the user typed ("--lr must be > 0, got 0").
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import sys
+import typing
+
+from transformers import HfArgumentParser
+
+
+class InputError(Exception):
+    """Bad input from the user (a flag, a data file, a model name): one line, exit code 2, nothing
+    written. Raised here, by gsm8k.py's data checks and by checkpoint.py's model loading."""
+
+
+class OneLineParser(HfArgumentParser):
+    """HfArgumentParser whose errors are one line ("error: ..."), exit code 2, not the usage block."""
+
+    def error(self, message):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def field_docs(cls) -> dict[str, str]:
+    """The docstring under each field of a dataclass, read from its source (as CleanRL/tyro do)."""
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    return {a.target.id: b.value.value.strip() for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)
+            and isinstance(b.value, ast.Constant)}
+
+
+def flags_view(cls, defaults: dict, title: str, presets: dict[str, dict], choices: dict):
+    """A copy of dataclass `cls` for HfArgumentParser: the same fields and resolved types, `defaults`
+    over the field defaults, --help from each field's docstring, default and preset values
+    (presets: {preset name: {field: value}}), and allowed values for the fields in `choices`."""
+    docs, types, fields = field_docs(cls), typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        shown = "".join(f"; {p}: {over[f.name]!r}" for p, over in presets.items() if f.name in over)
+        meta = {"help": f"{docs.get(f.name, '')} (default: {f.default!r}{shown})".replace("%", "%%")}
+        if f.name in choices:
+            meta["choices"] = choices[f.name]
+        value = defaults.get(f.name, f.default)
+        # WHY: a dataclass refuses a list as a plain default; a factory gives each parse its own copy
+        default = (dict(default_factory=lambda v=value: list(v)) if isinstance(value, list)
+                   else dict(default=value))
+        fields.append((f.name, types[f.name], dataclasses.field(metadata=meta, **default)))
+    view = dataclasses.make_dataclass(f"{cls.__name__}Flags", fields)
+    view._argument_group_name = title  # HfArgumentParser's documented hook for --help sections
+    return view
+
+
+def flag_parser(configs: list[tuple[type, dict, str]], presets: dict[str, tuple[dict, ...]],
+                description: str, choices: dict[str, list] | None = None) -> OneLineParser:
+    """One parser for several dataclasses. configs: [(class, defaults, --help section title)];
+    presets: {name: (overrides of each class, in order)}, shown in --help; choices: {field: allowed}."""
+    views = [flags_view(cls, defaults, title, {p: over[i] for p, over in presets.items()},
+                        choices or {})
+             for i, (cls, defaults, title) in enumerate(configs)]
+    parser = OneLineParser(views, formatter_class=argparse.HelpFormatter, description=description)
+    for f in (f for view in views for f in dataclasses.fields(view)):
+        if f.type is bool and f.default is False:
+            # WHY: HfArgumentParser adds --no-X only where the default is True; keep both spellings.
+            parser.add_argument(f"--no-{f.name.replace('_', '-')}", f"--no_{f.name}", dest=f.name,
+                                action="store_false", default=argparse.SUPPRESS,
+                                help=f"turn --{f.name.replace('_', '-')} off")
+    return parser
+
+
+def config_error(e: ValueError) -> InputError:
+    """'group_size must be ...' (a config's own check) -> '--group-size must be ...', the typed flag."""
+    field, _, rest = str(e).partition(" ")
+    return InputError(f"--{field.replace('_', '-')} {rest}")
+
+
+def refuse_changes(args: dict, saved: dict, may_change: set[str]):
+    """A resumed run keeps the settings it was started with (`saved`); only `may_change` may differ."""
+    for k, v in args.items():
+        if k not in may_change and v != saved.get(k):
+            may = ", ".join("--" + n.replace("_", "-") for n in sorted(may_change))
+            raise InputError(f"--resume continues a run with the settings it was started with; "
+                             f"--{k.replace('_', '-')} was {saved.get(k)!r} there (only {may} may "
+                             f"change)")

@@ -1,0 +1,134 @@
+"""
+gsm8k.py -- the GSM8K task: its data, its prompts, its reward functions and its held-out evaluation.
+
+    rows = load_data("tiny" | "path/to/dir" | "openai/gsm8k", ...)   # {"question", "answer"} rows
+    prompt = make_prompt(tokenizer, row["question"], system_prompt)  # the chat template, if any
+    accuracy = evaluate(model, tokenizer, rows, cfg)                 # greedy, the training checker
+
+Every source becomes a list of {"question": str, "answer": str} rows, GSM8K's own format (the answer
+ends in `#### <number>`). A bad row fails at once with one line naming the file and line (InputError),
+before any model loads. train_gsm8k.py, train_trl.py and ablation.py all take their data from here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import grpo
+import rewards
+from flags import InputError
+
+GSM8K_SYSTEM_PROMPT = ("Solve the math problem step by step. "
+                       "Finish with a last line of the form '#### <number>', giving only the final number.")
+
+# WHY format_reward with weight 0: it is logged (rewards/format_reward) so a broken layout shows up,
+# but the optimised reward is the paper's: is the final answer right.
+REWARD_FUNCS = [rewards.correctness_reward, rewards.format_reward]
+DEFAULT_REWARD_WEIGHTS = [1.0, 0.0]
+# PAPER §4.1.3: process supervision rewards each calculator step and the final answer.
+PROCESS_REWARD_FUNCS = [rewards.calculator_process_reward]
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------
+def read_jsonl(path: Path) -> list[dict]:
+    """GSM8K-format JSONL: one {"question": str, "answer": str} object per line."""
+    if not path.is_file():
+        raise InputError(f"data file {path} does not exist")
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not all(isinstance(row.get(k), str)
+                                                for k in ("question", "answer")):
+            raise InputError(f"{path}:{n}: expected an object with string fields 'question' and 'answer'")
+        try:
+            rewards.gold_answer(row["answer"])
+        except ValueError:
+            raise InputError(f"{path}:{n}: the answer has no final number "
+                             f"(expected '#### <number>')") from None
+        rows.append({"question": row["question"], "answer": row["answer"]})
+    if not rows:
+        raise InputError(f"data file {path} has no rows")
+    return rows
+
+
+def load_data(data: str, eval_size: int, n_train: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """(train rows, held-out rows) from the tiny world ('tiny': n_train generated problems, the order
+    set by seed), a local directory with train.jsonl and test.jsonl, or the hub ('openai/gsm8k')."""
+    if data == "tiny":
+        import tiny_world
+        return (tiny_world.make_problems(n_train, "train", seed=seed + 1),
+                tiny_world.make_problems(eval_size, "test", seed=0))
+    path = Path(data).expanduser()
+    if path.is_dir():
+        return read_jsonl(path / "train.jsonl"), read_jsonl(path / "test.jsonl")[:eval_size]
+    if data == "openai/gsm8k":
+        try:
+            import datasets
+        except ImportError:
+            raise InputError("--data openai/gsm8k needs `pip install datasets`, "
+                             "or pass a directory with train.jsonl and test.jsonl") from None
+        ds = datasets.load_dataset("openai/gsm8k", "main")
+        return [dict(r) for r in ds["train"]], [dict(r) for r in ds["test"]][:eval_size]
+    raise InputError(f"--data {data!r} is not 'tiny', 'openai/gsm8k' or an existing directory")
+
+
+def make_prompt(tokenizer, question: str, system_prompt: str = "") -> str:
+    """The chat template when the tokenizer has one (instruct models); else the question and a newline."""
+    if getattr(tokenizer, "chat_template", None):
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+            {"role": "user", "content": question}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return question + "\n"
+
+
+def columns_of(rows: list[dict]) -> dict:
+    """The per-prompt columns every reward function receives (TRL passes a dataset's the same way)."""
+    return {"answer": [r["answer"] for r in rows], "question": [r["question"] for r in rows]}
+
+
+# ----------------------------------------------------------------------------------------------
+# Rewards, checked up front
+# ----------------------------------------------------------------------------------------------
+def reward_funcs_for(supervision: str) -> list:
+    """The reward functions a run optimises: the outcome checkers, or the calculator's step rewards."""
+    return PROCESS_REWARD_FUNCS if supervision == "process" else REWARD_FUNCS
+
+
+def check_reward_funcs(funcs, rows: list[dict], cfg: grpo.GRPOConfig):
+    """Call every reward function once on a few gold solutions before any model is loaded, so one that
+    returns the wrong number of values or a non-number fails now, not at step 1 of a long run."""
+    if cfg.supervision == "process":
+        return  # WHY: step rewards are lists, checked by grpo.score_steps
+    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(funcs):
+        names = ", ".join(grpo.reward_name(f) for f in funcs)
+        raise InputError(f"--reward-weights needs {len(funcs)} values ({names})")
+    try:
+        grpo.compute_rewards(funcs, [r["question"] for r in rows], [r["answer"] for r in rows],
+                             columns_of(rows), cfg.reward_weights)
+    except (ValueError, TypeError) as e:
+        raise InputError(str(e)) from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation: greedy accuracy with the same answer checker as training
+# ----------------------------------------------------------------------------------------------
+def evaluate(model, tokenizer, rows: list[dict], cfg: grpo.GRPOConfig, system_prompt: str = "",
+             batch_size: int = 100, desc: str = "eval") -> float:
+    """Share of `rows` whose greedy completion (cfg's max_new_tokens) has the right final answer."""
+    from tqdm.auto import tqdm
+    correct = 0.0
+    for i in tqdm(range(0, len(rows), batch_size), desc=desc, leave=False, unit="batch"):
+        chunk = rows[i:i + batch_size]
+        prompts = [make_prompt(tokenizer, r["question"], system_prompt) for r in chunk]
+        out = grpo.sample_completions(model, tokenizer, prompts, cfg, greedy=True, group_size=1)
+        correct += sum(rewards.correctness_reward(out["completions"], [r["answer"] for r in chunk],
+                                                  prompts=prompts, question=[r["question"] for r in chunk]))
+    return correct / max(1, len(rows))
