@@ -1,14 +1,15 @@
 """
 checkpoint.py -- crash-safe saving and resuming of a training run.
 
-    save_pretrained_atomic(model, tokenizer, path)        # a model directory, written whole or not at all
-    save_checkpoint(out, policy, tokenizer, optimizer, state)   # out/checkpoint-<step>/, then old ones go
+    save_pretrained_atomic(model, tokenizer, path)     # a model directory, whole or not at all
+    save_checkpoint(out, policy, tokenizer, optimizer, state)  # checkpoint-<step>/; old ones go
     policy, optimizer, state = load_checkpoint(latest_checkpoint(out), device, cfg)  # RNGs restored
 
 A checkpoint holds the weights and tokenizer (save_pretrained), AdamW's moments, every RNG state
-(torch, CUDA, Python) and the run's own state (step, evaluations, settings) in state.json. Everything is
-written into a temporary directory first and renamed into place, so a kill at any moment leaves the
-previous checkpoint whole (tests/test_resume.py kills a real run with SIGKILL and resumes it).
+(torch, CUDA, Python) and the run's own state (step, evaluations, settings) in state.json.
+Everything is written into a temporary directory first and renamed into place, so a kill at any
+moment leaves the previous checkpoint whole (tests/test_resume.py kills a real run with SIGKILL and
+resumes it).
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ from flags import InputError
 
 
 class TrainingStopped(Exception):
-    """The run cannot go on (non-finite weights, or non-finite losses in a row). One line, exit code 1."""
+    """The run cannot go on (non-finite weights, non-finite losses in a row): one line, exit 1."""
 
 
 def save_pretrained_atomic(model, tokenizer, path: Path,
                            extra_files: dict[str, str | bytes] | None = None) -> Path:
     """`save_pretrained` the model and tokenizer (plus any extra files) into a temporary sibling
-    directory, then rename it to `path`, so a crash while writing never leaves a half-written one."""
+    directory, then rename it to `path`, so a crash while writing never leaves a half-written
+    one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{path.name}-", dir=path.parent))
@@ -88,8 +90,14 @@ def save_checkpoint(out: Path, policy, tokenizer, optimizer, state: dict) -> Pat
                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
                 "python_rng": random.getstate()}, trainer)
     path = save_pretrained_atomic(
-        policy, tokenizer, out / f"checkpoint-{state['step']:06d}",
-        extra_files={"state.json": json.dumps(state, indent=1), "trainer_state.pt": trainer.getvalue()})
+        policy,
+        tokenizer,
+        out / f"checkpoint-{state['step']:06d}",
+        extra_files={
+            "state.json": json.dumps(state, indent=1),
+            "trainer_state.pt": trainer.getvalue(),
+        },
+    )
     for old in out.glob("checkpoint-*"):
         if old != path:
             shutil.rmtree(old, ignore_errors=True)
@@ -97,7 +105,7 @@ def save_checkpoint(out: Path, policy, tokenizer, optimizer, state: dict) -> Pat
 
 
 def load_checkpoint(ckpt: Path, device: str, cfg: grpo.GRPOConfig):
-    """(policy, optimizer, state) from a checkpoint directory; every RNG is restored as it was saved."""
+    """(policy, optimizer, state) from a checkpoint directory; every RNG is restored as saved."""
     from transformers import AutoModelForCausalLM
     policy = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     policy = grpo.disable_dropout(policy).to(device)
@@ -122,8 +130,9 @@ def resume(run_dir: Path, device: str, cfg: grpo.GRPOConfig, logs: list[str]):
 
 
 def load_pretrained(name: str, shown_as: str = ""):
-    """(model, tokenizer) from a hub id or a local directory, in fp32 on the CPU. A missing directory,
-    a failed load or non-finite weights raise InputError naming `shown_as` (default: `name`)."""
+    """(model, tokenizer) from a hub id or a local directory, in fp32 on the CPU. A missing
+    directory, a failed load or non-finite weights raise InputError naming `shown_as` (default:
+    `name`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     shown_as, local = shown_as or name, Path(name).expanduser()
     # A hub id is "name" or "org/name"; anything on disk, starting like a path, or with more slashes
@@ -139,7 +148,8 @@ def load_pretrained(name: str, shown_as: str = ""):
     except OSError as e:
         raise InputError(f"cannot load model {shown_as!r}: {str(e).splitlines()[0]}") from None
     if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # NOTE: safe: grpo.py masks by EOS position, not id
+        # NOTE: safe: grpo.py masks by EOS position, not id
+        tokenizer.pad_token = tokenizer.eos_token
     if not all_finite(model):
         raise InputError(f"model {shown_as!r} has non-finite weights")
     return model, tokenizer
@@ -149,8 +159,10 @@ def saved_state(run_dir: Path) -> dict:
     """state.json of a run's newest checkpoint (its step, evaluations and settings)."""
     ckpt = latest_checkpoint(run_dir)
     if ckpt is None:
-        raise InputError(f"--resume {run_dir}: no checkpoint there (a run writes checkpoint-<step>/ "
-                         f"every --save-every steps)")
+        raise InputError(
+            f"--resume {run_dir}: no checkpoint there (a run writes checkpoint-<step>/ "
+            f"every --save-every steps)"
+        )
     return json.loads((ckpt / "state.json").read_text())
 
 
@@ -163,9 +175,10 @@ def count_bad_step(state: dict, skipped: int, max_bad_steps: int, run_dir: Path,
         kept = sorted(run_dir.glob("checkpoint-*"))
         last = f"the last checkpoint is {kept[-1]}" if kept else "no checkpoint was written"
         raise TrainingStopped(
-            f"stopped at step {step}: {state['bad_in_a_row']} steps in a row had a non-finite loss or "
-            f"gradient, so their updates were skipped and the weights are untouched; {last} (check "
-            f"the reward functions and --lr; metrics.jsonl shows each step)")
+            f"stopped at step {step}: {state['bad_in_a_row']} steps in a row had a non-finite "
+            f"loss or gradient, so their updates were skipped and the weights are untouched; "
+            f"{last} (check the reward functions and --lr; metrics.jsonl shows each step)"
+        )
 
 
 def remove_partial_saves(run_dir: Path):
@@ -175,8 +188,8 @@ def remove_partial_saves(run_dir: Path):
 
 
 def keep_lines_up_to(path: Path, step: int):
-    """Rewrite a JSONL log keeping the lines of steps <= `step` (a resumed run redoes the later ones).
-    A torn last line, from a kill while writing, is dropped."""
+    """Rewrite a JSONL log keeping the lines of steps <= `step` (a resumed run redoes the later
+    ones). A torn last line, from a kill while writing, is dropped."""
     kept = []
     for line in path.read_text().splitlines() if path.exists() else []:
         try:

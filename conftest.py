@@ -1,4 +1,5 @@
-"""Makes the top-level modules (grpo.py, rewards.py, ...) importable from tests/ and registers markers."""
+"""Makes the top-level modules (grpo.py, rewards.py, ...) importable from tests/ and registers
+markers."""
 import os
 import sys
 

@@ -1,15 +1,15 @@
 """
-flags.py -- command-line flags generated from config dataclasses, with transformers' HfArgumentParser.
+flags.py -- command-line flags generated from config dataclasses by transformers' HfArgumentParser.
 
     parser = flag_parser([(TrainConfig, preset_overrides, "run"), (GRPOConfig, {}, "GRPO")],
                          presets=PRESETS, description="...")
     args = vars(parser.parse_args(argv))        # every field of every dataclass, by name
 
-Each field becomes `--field-name` (and `--field_name`), typed from its annotation (int, float, str, bool,
-Literal choices, Path, `X | None`, list[float]); its --help is the docstring under the field, its
-default and the value each preset gives it. A bool gets both `--x` and `--no-x`. A bad flag prints one
-line and exits with code 2. config_error turns a config's own ValueError ("lr must be > 0, got 0")
-into the flag the user typed ("--lr must be > 0, got 0").
+Each field becomes `--field-name` (and `--field_name`), typed from its annotation (int, float, str,
+bool, Literal choices, Path, `X | None`, list[float]); its --help is the docstring under the field,
+its default and the value each preset gives it. A bool gets both `--x` and `--no-x`. A bad flag
+prints one line and exits with code 2. config_error turns a config's own ValueError ("lr must be >
+0, got 0") into the flag the user typed ("--lr must be > 0, got 0").
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class InputError(Exception):
 
 
 class OneLineParser(HfArgumentParser):
-    """HfArgumentParser whose errors are one line ("error: ..."), exit code 2, not the usage block."""
+    """HfArgumentParser whose errors are one line ("error: ..."), exit code 2, no usage block."""
 
     def error(self, message):
         print(f"error: {message} (see --help)", file=sys.stderr)
@@ -46,17 +46,20 @@ def field_docs(cls) -> dict[str, str]:
 
 
 def flags_view(cls, defaults: dict, title: str, presets: dict[str, dict], choices: dict):
-    """A copy of dataclass `cls` for HfArgumentParser: the same fields and resolved types, `defaults`
-    over the field defaults, --help from each field's docstring, default and preset values
-    (presets: {preset name: {field: value}}), and allowed values for the fields in `choices`."""
+    """A copy of dataclass `cls` for HfArgumentParser: the same fields and resolved types,
+    `defaults` over the field defaults, --help from each field's docstring, default and preset
+    values (presets: {preset name: {field: value}}), and allowed values for the fields in
+    `choices`."""
     docs, types, fields = field_docs(cls), typing.get_type_hints(cls), []
     for f in dataclasses.fields(cls):
         shown = "".join(f"; {p}: {over[f.name]!r}" for p, over in presets.items() if f.name in over)
-        meta = {"help": f"{docs.get(f.name, '')} (default: {f.default!r}{shown})".replace("%", "%%")}
+        meta = {
+            "help": f"{docs.get(f.name, '')} (default: {f.default!r}{shown})".replace("%", "%%")
+        }
         if f.name in choices:
             meta["choices"] = choices[f.name]
         value = defaults.get(f.name, f.default)
-        # WHY: a dataclass refuses a list as a plain default; a factory gives each parse its own copy
+        # WHY: a dataclass refuses a list as a plain default; a factory gives each parse a copy
         default = (dict(default_factory=lambda v=value: list(v)) if isinstance(value, list)
                    else dict(default=value))
         fields.append((f.name, types[f.name], dataclasses.field(metadata=meta, **default)))
@@ -68,7 +71,8 @@ def flags_view(cls, defaults: dict, title: str, presets: dict[str, dict], choice
 def flag_parser(configs: list[tuple[type, dict, str]], presets: dict[str, tuple[dict, ...]],
                 description: str, choices: dict[str, list] | None = None) -> OneLineParser:
     """One parser for several dataclasses. configs: [(class, defaults, --help section title)];
-    presets: {name: (overrides of each class, in order)}, shown in --help; choices: {field: allowed}."""
+    presets: {name: (overrides of each class, in order)}, shown in --help;
+    choices: {field: allowed values}."""
     views = [flags_view(cls, defaults, title, {p: over[i] for p, over in presets.items()},
                         choices or {})
              for i, (cls, defaults, title) in enumerate(configs)]
@@ -83,13 +87,13 @@ def flag_parser(configs: list[tuple[type, dict, str]], presets: dict[str, tuple[
 
 
 def config_error(e: ValueError) -> InputError:
-    """'group_size must be ...' (a config's own check) -> '--group-size must be ...', the typed flag."""
+    """'group_size must be ...' (a config's own check) -> '--group-size must be ...', as typed."""
     field, _, rest = str(e).partition(" ")
     return InputError(f"--{field.replace('_', '-')} {rest}")
 
 
 def refuse_changes(args: dict, saved: dict, may_change: set[str]):
-    """A resumed run keeps the settings it was started with (`saved`); only `may_change` may differ."""
+    """A resumed run keeps the settings it started with (`saved`); only `may_change` may differ."""
     for k, v in args.items():
         if k not in may_change and v != saved.get(k):
             may = ", ".join("--" + n.replace("_", "-") for n in sorted(may_change))

@@ -3,17 +3,19 @@ grpo.py -- Group Relative Policy Optimization in one file.
 
 What this is
     The whole GRPO algorithm from DeepSeekMath (Shao et al. 2024, arXiv 2402.03300, §4.1 and
-    Algorithm 1), for any Hugging Face causal LM and tokenizer, on one device. Read it next to the paper:
-    each equation sits above the line that computes it, and tests/test_grpo.py pins it with hand-worked
-    numbers. grpo_step, near the end, is Algorithm 1's inner loop as a list of calls in the paper's order.
+    Algorithm 1), for any Hugging Face causal LM and tokenizer, on one device. Read it next to
+    the paper: each equation sits above the line that computes it, and tests/test_grpo.py pins it
+    with hand-worked numbers. grpo_step, near the end, is Algorithm 1's inner loop as a short list
+    of calls in the paper's order.
 
 The objective it maximises (outcome supervision, §4.1.1-4.1.2, eq. 3)
-    J(θ) = E[ 1/G Σ_i 1/|o_i| Σ_t { min( r_it A_i , clip(r_it, 1-ε, 1+ε) A_i ) - β D_KL[π_θ||π_ref] } ]
-      r_it(θ) = π_θ(o_it | q, o_i<t) / π_old(o_it | q, o_i<t)   (a probability RATIO, not a reward)
-      A_i     = (r_i - mean(r)) / std(r)                          (r_i is the REWARD of completion i)
+    J(θ) = E[ 1/G Σ_i 1/|o_i| Σ_t { min( r_it A_i , clip(r_it, 1-ε, 1+ε) A_i )
+                                     - β D_KL[π_θ || π_ref] } ]
+      r_it(θ) = π_θ(o_it | q, o_i<t) / π_old(o_it | q, o_i<t)   (a probability RATIO)
+      A_i     = (r_i - mean(r)) / std(r)                          (r_i is completion i's REWARD)
       D_KL    ≈ π_ref/π_θ - log(π_ref/π_θ) - 1                    (k3 estimator, eq. 4)
-    We minimise loss = -J. Process supervision (§4.1.3) replaces A_i by a per-token advantage built
-    from step rewards (process_advantages).
+    We minimise loss = -J. Process supervision (§4.1.3) replaces A_i by a per-token advantage
+    built from step rewards (process_advantages).
 
 How to run it
     python train_gsm8k.py                         # the tiny offline world, on a CPU, in minutes
@@ -22,18 +24,43 @@ How to run it
 What it leaves out, on purpose
     - the critic (that is the point of GRPO: the group mean is the baseline);
     - multi-GPU, vLLM, DeepSpeed (see docs/past_one_gpu.md);
-    - the paper's iterative reward-model retraining and reference resets (Algorithm 1, outer loop);
+    - the paper's iterative reward-model retraining and reference resets (Algorithm 1's outer loop);
     - learned reward models: process supervision uses a rule-based step reward (rewards.py);
-    - speed machinery: the fast sampler lives in engine.py and draws the same tokens as the one here.
+    - speed machinery: the fast sampler is engine.py, which draws the same tokens as the one here.
 
 Tensor dimensions used in shape comments
     B  prompts per step          G  completions per prompt (group_size)
     N  = B*G sequences           P  prompt tokens (left-padded)
     T  completion tokens         V  vocabulary size
 
+Algorithm 1 of the paper (Iterative GRPO), line by line, and where each line lives here
+    policy π_θ ← π_init                                the model you pass in
+    for iteration = 1..I:                              NOT HERE: this outer loop exists to retrain
+        π_ref ← π_θ                                    the reward model; one π_ref (make_reference)
+        for step = 1..M:                               the caller's loop (train_gsm8k.py)
+            sample a batch of questions D_b             the caller's prompts
+            π_old ← π_θ                                 implicit: π_old is π_θ before this step's
+                                                        update, so its log-probs come first
+            sample G outputs o_i ~ π_old(·|q) per q     1. sample_completions
+            rewards r_i from the reward model           2. compute_rewards (rule-based)
+            Â_i,t by group relative estimation          3. group_advantages / process_advantages
+            for GRPO iteration = 1..μ:                  8. policy_update
+                update π_θ by maximising J_GRPO         4-7. token_logprobs, grpo_loss
+        (retrain the reward model from a replay buffer) NOT HERE: the rewards are rules
+    grpo_step is one pass of the inner "for step" body.
+
+Comment tags, so you can grep for them
+    PAPER:      what the paper says (an equation, a setting), above the line that computes it
+    WHY:        our reasoning, where the paper leaves a choice open
+    DEVIATION:  where we differ from the paper, and why; every variant is opt-in and off by default
+    NOTE:       a known confusion, answered at the line: why the loss prints ~0 at μ = 1 while the
+                gradient is not 0; why logp_old is logp.detach() at μ = 1; per-sequence vs
+                per-token averaging; which KL estimator, in which direction; which std, and where
+                ε goes; what a group of equal rewards does
+
 The steps below, in order
     0. GRPOConfig            every knob, with the paper's defaults
-    1. sample_completions    G completions per prompt from π_old (= π_θ before this step's update)
+    1. sample_completions    G completions per prompt from π_old (π_θ before this step's update)
     2. compute_rewards       weighted rule-based reward functions, TRL's signature
     3. group_advantages      A_i = (r_i - mean) / (std + eps) within each group (outcome)
        process_advantages    Â_i,t from normalised step rewards (process)
@@ -41,8 +68,8 @@ The steps below, in order
     5-7. grpo_loss           ratio and clip (5), k3 KL (6), aggregation over tokens (7)
     8. policy_update         μ optimizer steps: backward, gradient clip, AdamW
     9. grpo_step             1-8 in order, then step_metrics
-    Variants                 dynamic sampling (DAPO), GSPO's sequence ratio, process supervision's
-                             plumbing: each is one call from the core above
+    Variants                 dynamic sampling (DAPO), GSPO's sequence ratio, process
+                             supervision's plumbing: each is one call from the core above
 Variants since the paper are opt-in switches in GRPOConfig that cite their paper; each line that
 differs from the paper is tagged DEVIATION.
 """
@@ -68,109 +95,110 @@ LOSS_TYPES = get_args(LossType)
 # ----------------------------------------------------------------------------------------------
 # 0. Configuration
 # ----------------------------------------------------------------------------------------------
+# PAPER: §4.2 trains DeepSeekMath-Instruct 7B with lr 1e-6, β = 0.04, G = 64 outputs per question,
+#        a maximum length of 1024 tokens, a batch of 1024, and one policy update per exploration
+#        stage (μ = 1). Where a default here differs, its docstring says why.
 @dataclass
 class GRPOConfig:
-    """Every knob of one GRPO step. Defaults follow the paper (§4.2, "Training Setting") unless tagged."""
+    """Every knob of one GRPO step. Defaults follow the paper (§4.2) unless tagged."""
 
     group_size: int = 8
     """G, completions sampled per prompt. PAPER: 64; our default 8 fits one small GPU or a CPU."""
     beta: float = 0.04
-    """β, weight of the KL penalty to the frozen reference. PAPER: 0.04. 0 drops the reference model."""
+    """β, weight of the KL penalty to the frozen reference. PAPER: 0.04. 0: no reference model."""
     clip_eps: float = 0.2
-    """ε, PPO clip range: the ratio is clipped to [1-ε, 1+ε_high]. PPO's 0.2; the paper prints none."""
+    """ε, PPO clip range: the ratio is clipped to [1-ε, 1+ε_high]. PPO's 0.2 (the paper gives
+    none)."""
     clip_eps_high: float | None = None
-    """ε_high, upper clip; None means ε_high = ε. DAPO's clip-higher (arXiv 2503.14476) uses 0.28."""
+    """ε_high, the upper clip; None means ε_high = ε. DAPO's clip-higher (arXiv 2503.14476) uses
+    0.28."""
     num_iterations: int = 1
-    """μ, policy updates per batch of samples (Algorithm 1). PAPER: 1 (one update per exploration)."""
+    """μ, policy updates per batch of samples (Algorithm 1). PAPER: 1."""
     loss_type: LossType = "grpo"
     """Averaging of per-token losses: 'grpo' (paper), 'token' (DAPO), 'dr_grpo' (Dr. GRPO)."""
     scale_rewards: bool = True
     """Divide centred rewards by the group std (paper). False: mean-centring only (Dr. GRPO)."""
     adv_eps: float = 1e-4
-    """ε added to the group std before dividing. Our choice, as TRL: A stays finite when std is tiny."""
+    """ε added to the group std before dividing. Our choice, as TRL's: A stays finite."""
     temperature: float = 1.0
-    """Sampling temperature; the loss scores log-probs at the same temperature. 1.0: the true policy."""
+    """Sampling temperature; the loss scores log-probs at the same one. 1.0: the true policy.
+    draw_tokens and token_logprobs both divide the logits by it."""
     max_new_tokens: int = 256
-    """Cap on completion length T. PAPER: 1024. Hitting it counts in completions/clipped_ratio."""
+    """Cap on completion length T. PAPER: 1024. Hitting it counts in completions/clipped_ratio;
+    a cap that cuts answers off before their last line zeroes their reward."""
     min_new_tokens: int = 0
-    """Force at least this many new tokens (0 = off). Only for benchmarks that need equal work."""
+    """Force at least this many new tokens (0 = off). Only for benchmarks that need equal work
+    (benchmarks/vs_trl.py sets it to max_new_tokens on both sides)."""
     lr: float = 1e-6
-    """AdamW learning rate. PAPER: 1e-6 for a 7B model; tiny models want far more (see the presets)."""
+    """AdamW learning rate. PAPER: 1e-6 for a 7B model; tiny models want far more (see presets)."""
     weight_decay: float = 0.0
     """AdamW weight decay. Our choice: 0, so the only pull toward the start is the KL term."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this. Our choice, standard for LM fine-tuning (TRL: 1.0)."""
     micro_batch_size: int = 16
-    """Sequences per forward/backward pass. Smaller uses less memory; the gradient is the same."""
+    """Sequences per forward/backward pass. Smaller uses less memory; the gradient is the same
+    (test_micro_batches_give_the_same_update)."""
     reward_weights: list[float] | None = None
-    """One weight per reward function; None means all 1.0. The total reward is the weighted sum."""
+    """One weight per reward function; None means all 1.0. The total reward is the weighted sum;
+    a weight of 0 logs a function (rewards/<name>) without optimising it."""
     supervision: Literal["outcome", "process"] = "outcome"
-    """'outcome' (§4.1.2: a reward per completion) or 'process' (§4.1.3: a reward per step, from one
-    function returning (end, reward) pairs per completion, e.g. rewards.calculator_process_reward)."""
+    """'outcome' (§4.1.2: a reward per completion) or 'process' (§4.1.3: a reward per step, from
+    one function that returns (end, reward) pairs per completion, such as
+    rewards.calculator_process_reward)."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
-    """'token' (paper: a ratio per token) or 'sequence' (GSPO, arXiv 2507.18071: one length-normalised
-    ratio per completion, clipped as a whole; GSPO pairs it with a tiny clip_eps, e.g. 3e-4 / 4e-4)."""
+    """'token' (paper: a ratio per token) or 'sequence' (GSPO, arXiv 2507.18071: one length-
+    normalised ratio per completion, clipped as a whole; GSPO pairs it with a tiny clip_eps)."""
     dynamic_sampling: int = 0
     """DAPO's dynamic sampling: drop groups whose rewards all agree and refill the batch from up to
     this many more rounds of fresh prompts (grpo_step's more_prompts). 0: off (paper)."""
     sampler: Literal["engine", "reference"] = "engine"
-    """'engine': engine.py's fast loop; 'reference': reference_decode below. Both draw the same tokens."""
+    """'engine': engine.py's fast loop; 'reference': reference_decode below. Both draw the same
+    tokens from the same seed (tests/test_engine.py); the reference is slower and plainer."""
 
     def __post_init__(self):
         """Settings that cannot work fail here, at construction, with one line naming the field."""
-        choices = {"loss_type": LOSS_TYPES, "supervision": ("outcome", "process"),
-                   "importance_sampling_level": ("token", "sequence"),
-                   "sampler": ("engine", "reference")}
-        for name, allowed in choices.items():
+        def fail(name, rule):
+            raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        for name, allowed in [("loss_type", LOSS_TYPES), ("supervision", ("outcome", "process")),
+                              ("importance_sampling_level", ("token", "sequence")),
+                              ("sampler", ("engine", "reference"))]:
             if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+                fail(name, f"one of {allowed}")
+        if self.group_size < 2:
+            fail("group_size", "at least 2 (a group baseline needs 2)")
         # NOTE: no batch size has to divide another: the last micro-batch may be smaller, and
-        #       micro_batch_weights keeps the summed gradient equal to the full-batch one (tested).
-        checks = [
-            (self.group_size >= 2, "group_size must be at least 2 (a group baseline needs 2)"),
-            (self.beta >= 0, "beta must be >= 0"), (self.clip_eps > 0, "clip_eps must be > 0"),
-            (self.clip_eps_high is None or self.clip_eps_high > 0, "clip_eps_high must be > 0"),
-            (self.num_iterations >= 1, "num_iterations must be >= 1"),
-            (self.adv_eps >= 0, "adv_eps must be >= 0"),
-            (self.temperature > 0, "temperature must be > 0"),
-            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1"),
-            (0 <= self.min_new_tokens <= self.max_new_tokens,
-             f"min_new_tokens must be from 0 to max_new_tokens ({self.max_new_tokens})"),
-            (self.lr > 0, "lr must be > 0"), (self.weight_decay >= 0, "weight_decay must be >= 0"),
-            (self.max_grad_norm > 0, "max_grad_norm must be > 0"),
-            (self.micro_batch_size >= 1, "micro_batch_size must be >= 1"),
-            (self.reward_weights is None or all(math.isfinite(w) for w in self.reward_weights),
-             "reward_weights must be finite numbers"),
-            (self.dynamic_sampling >= 0, "dynamic_sampling must be >= 0"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                field = message.split()[0]
-                raise ValueError(f"{message}, got {getattr(self, field)!r}")
+        #       policy_update weights it so the summed gradient equals the full batch's (tested).
+        for name, low in [("num_iterations", 1), ("max_new_tokens", 1), ("micro_batch_size", 1),
+                          ("beta", 0), ("adv_eps", 0), ("weight_decay", 0),
+                          ("dynamic_sampling", 0)]:
+            if getattr(self, name) < low:
+                fail(name, f">= {low}")
+        for name in ("clip_eps", "clip_eps_high", "temperature", "lr", "max_grad_norm"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                fail(name, "> 0")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            fail("min_new_tokens", f"from 0 to max_new_tokens ({self.max_new_tokens})")
+        if self.reward_weights is not None and not all(map(math.isfinite, self.reward_weights)):
+            fail("reward_weights", "finite numbers")
 
 
 # ----------------------------------------------------------------------------------------------
 # 1. Sample a group of G completions per prompt
 # ----------------------------------------------------------------------------------------------
-def eos_token_ids(model, tokenizer) -> list[int]:
-    """All token ids that end a completion: the model's generation_config eos ids, else the tokenizer's."""
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None:
-        # NOTE: a freshly initialised model's generation_config has no eos/pad/bos ids; use the tokenizer's.
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        raise ValueError("neither the model's generation_config nor the tokenizer defines an eos_token_id")
-    return [eos] if isinstance(eos, int) else list(eos)
-
-
-def pad_token_id(model, tokenizer) -> int:
-    """The id written after a completion's EOS: the tokenizer's pad token, else the first EOS id."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(model, tokenizer)[0]
-
-
+# PAPER: for each question q, GRPO samples a group of outputs {o_1, ..., o_G} from the old policy
+#        π_θold (§4.1.1). π_old is simply π_θ as it is before this step's update.
+# WHY: every tensor below keeps a group's G rows together: rows gG .. gG+G-1 belong to prompt g,
+#      so group statistics are a reshape to (B, G) away.
+# NOTE: the sampler and the loss must agree on one distribution. Both use the same temperature,
+#       no top-k and no top-p (test_sampling_distribution_is_the_one_the_loss_scores).
 def completion_mask_from_ids(completion_ids: torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:
-    """1 for every completion token up to and including the first EOS, 0 after it. (N, T) -> (N, T)."""
-    N, T = completion_ids.shape
+    """1 for every completion token up to and including the first EOS, 0 after it: (N, T).
+
+    Example, EOS id 2: [5, 2, 7, 2] -> [1, 1, 0, 0]; [5, 5, 5, 5] (no EOS, so truncated) ->
+    [1, 1, 1, 1]. The mask's row sums are the |o_i| of eq. 3.
+    """
+    T = completion_ids.shape[1]
     eos = torch.tensor(list(eos_ids), device=completion_ids.device)                   # (E,)
     is_eos = torch.isin(completion_ids, eos)                                          # (N, T)
     # WHY: a sequence with no EOS hit the length cap; all T of its tokens count.
@@ -183,15 +211,17 @@ def completion_mask_from_ids(completion_ids: torch.Tensor, eos_ids: Sequence[int
 def draw_tokens(logits, t, done, *, eos, pad_id, temperature, min_new_tokens, greedy):
     """Token t of every completion, drawn from the policy: logits (N, V), done (N,) -> (ids, done).
 
-    PAPER: o_i ~ π_old(· | q), one token at a time. Rows that have ended get pad_id from then on.
+    PAPER: o_i ~ π_old(· | q), one token at a time. A row that has ended gets pad_id from then on.
+    Both samplers call this, so the distribution is defined in one place. sample_completions
+    binds every argument after `done` (functools.partial) and hands the samplers `pick`.
     """
     if t < min_new_tokens:
-        logits[:, eos] = -math.inf                                                    # (N, V) no EOS yet
+        logits[:, eos] = -math.inf                                               # (N, V) no EOS yet
     if greedy:
         next_ids = logits.argmax(-1)                                                  # (N,)
     else:
-        # NOTE: no top-k / top-p: the samples must come from exactly the distribution whose log-probs
-        #       the loss uses. (generate() would silently apply top_k=50 from transformers' defaults.)
+        # NOTE: no top-k / top-p: the samples must come from exactly the distribution whose
+        #       log-probs the loss uses. (generate() would silently apply transformers' top_k=50.)
         probs = torch.softmax(logits / temperature, dim=-1)                           # (N, V)
         next_ids = torch.multinomial(probs, 1).squeeze(1)                             # (N,)
     next_ids = torch.where(done, torch.full_like(next_ids, pad_id), next_ids)         # (N,)
@@ -199,14 +229,14 @@ def draw_tokens(logits, t, done, *, eos, pad_id, temperature, min_new_tokens, gr
 
 
 def reference_decode(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, pick):
-    """The plain sampling loop: prompts (B, P), (B, P) -> completion ids (N, T), T <= max_new_tokens.
+    """The plain sampling loop: prompts (B, P), (B, P) -> completion ids (N, T), T <= max.
 
     Each step runs the model over the whole sequence so far, draws one token per row with `pick`
     (draw_tokens), appends it, and stops once every row has drawn an EOS.
-    NOTE: there is no KV cache, so step t re-reads all P+t tokens. engine.decode keeps one (and more
-          tricks) and draws exactly these tokens from the same seed (tests/test_engine.py).
+    NOTE: there is no KV cache, so step t re-reads all P+t tokens. engine.decode keeps one (and
+          more tricks) and draws exactly these tokens from the same seed (tests/test_engine.py).
     """
-    ids = prompt_ids.repeat_interleave(group_size, 0)                                 # (N, P) in groups
+    ids = prompt_ids.repeat_interleave(group_size, 0)                             # (N, P) in groups
     mask = prompt_mask.repeat_interleave(group_size, 0)                               # (N, P)
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)             # (N,)
     for t in range(max_new_tokens):
@@ -216,6 +246,7 @@ def reference_decode(model, prompt_ids, prompt_mask, group_size: int, max_new_to
         next_ids, done = pick(out.logits[:, -1, :].float(), t, done)                  # (N,), (N,)
         ids = torch.cat([ids, next_ids[:, None]], dim=1)                              # (N, P+t+1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)                 # (N, P+t+1)
+        # WHY: stop as soon as every row has ended; T is then shorter than max_new_tokens.
         if done.all():
             break
     return ids[:, prompt_ids.shape[1]:]                                               # (N, T)
@@ -224,31 +255,38 @@ def reference_decode(model, prompt_ids, prompt_mask, group_size: int, max_new_to
 @torch.no_grad()
 def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig, greedy: bool = False,
                        group_size: int | None = None) -> dict:
-    """G completions for each of B prompt strings, as a dict of tensors whose rows come in groups.
+    """G completions for each of B prompt strings, as a dict whose rows come in groups of G:
+    prompt_ids, prompt_mask (N, P); completion_ids, completion_mask (N, T); completions (N texts);
+    truncated (N,), True where a completion hit max_new_tokens without an EOS.
 
-    greedy=True decodes the most likely completion instead (evaluation, with group_size=1).
+    greedy=True decodes the most likely completion instead (evaluation, with group_size=1); it
+    runs the same loop, with argmax in place of the draw.
     group_size overrides cfg.group_size (evaluation samples one completion per prompt).
     """
     G = cfg.group_size if group_size is None else group_size
     device = next(model.parameters()).device
-    # WHY: left padding puts every prompt's last token at the same column, so decoding starts together.
+    # WHY: left padding puts every prompt's last token in the same column, so decoding starts
+    #      together.
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
                     add_special_tokens=False)
-    prompt_ids, prompt_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)  # (B, P)
-    eos_ids, pad_id = eos_token_ids(model, tokenizer), pad_token_id(model, tokenizer)
+    prompt_ids, prompt_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    eos_ids, pad_id = engine.eos_token_ids(model, tokenizer), engine.pad_token_id(model, tokenizer)
     pick = functools.partial(draw_tokens, eos=torch.tensor(eos_ids, device=device), pad_id=pad_id,
                              temperature=cfg.temperature, min_new_tokens=cfg.min_new_tokens,
                              greedy=greedy)
+    # NOTE: the fast path lives in engine.py (KV cache, one prefill per prompt, ready masks) and
+    #       makes exactly the draws of reference_decode above; cfg.sampler picks one.
     decode = engine.decode if cfg.sampler == "engine" else reference_decode
     was_training = model.training
     model.eval()  # WHY: under gradient checkpointing, train mode turns the KV cache off.
     completion_ids = decode(model, prompt_ids, prompt_mask, G, cfg.max_new_tokens, pick)  # (N, T)
     model.train(was_training)
 
+    # NOTE: the rows come out grouped: completion n answers prompt n // G.
     completion_mask = completion_mask_from_ids(completion_ids, eos_ids)              # (N, T)
-    # WHY: pads after EOS may equal a real token id; zero them out of the way with the mask, not by id.
-    texts = tokenizer.batch_decode(completion_ids * completion_mask + pad_id * (1 - completion_mask),
-                                   skip_special_tokens=True)
+    # WHY: pads after EOS may equal a real token id; mask them out by position, not by id.
+    kept = completion_ids * completion_mask + pad_id * (1 - completion_mask)          # (N, T)
+    texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
     # A completion with no EOS at all stopped because it hit max_new_tokens.
     truncated = ~torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)  # (N,)
     return dict(prompt_ids=prompt_ids.repeat_interleave(G, 0),                        # (N, P)
@@ -260,7 +298,10 @@ def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig, gr
 # ----------------------------------------------------------------------------------------------
 # 2. Score each completion with rule-based reward functions
 # ----------------------------------------------------------------------------------------------
-RewardFn = Callable[..., list]
+# PAPER: the paper scores outputs with a learned reward model r_φ. DeepSeek-R1 and most GRPO work
+#        since use rules instead (is the final answer right?), and so do we: rewards.py.
+# WHY: a reward function has TRL's signature, f(prompts, completions, **columns) -> list[float],
+#      so the same functions run here and in TRL's GRPOTrainer (train_trl.py).
 
 
 def reward_name(fn) -> str:
@@ -268,28 +309,33 @@ def reward_name(fn) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def compute_rewards(reward_funcs: Sequence[RewardFn], prompts: list[str], completions: list[str],
+def compute_rewards(reward_funcs: Sequence[Callable], prompts: list[str], completions: list[str],
                     columns: dict | None = None, weights: Sequence[float] | None = None):
-    """r_i = Σ_k w_k f_k(prompt_i, completion_i), each f with TRL's signature f(prompts, completions,
-    **columns). Every list holds N entries (columns already repeated G times per prompt).
+    """The total reward of each completion, from K reward functions with TRL's signature
+    f(prompts, completions, **columns). Every list holds N entries (columns already repeated G
+    times per prompt). Returns (rewards (N,) float32, {name: mean of that function's reward}).
 
-    Returns (rewards (N,) float32, {name: mean of that function's raw reward}).
+    Example (test_compute_rewards_weights_and_means): weights [1, 0.5], f1 = [1, 0, 1, 0] and
+    f2 = [2, 2, 0, 0] give r = [2, 1, 1, 0]; the logged means are f1 0.5 and f2 1.0.
     """
     N = len(completions)
     weights = [1.0] * len(reward_funcs) if weights is None else list(weights)
     if len(weights) != len(reward_funcs):
-        raise ValueError(f"got {len(weights)} reward weights for {len(reward_funcs)} reward functions")
+        raise ValueError(f"got {len(weights)} reward weights for {len(reward_funcs)} functions")
     per_fn = torch.zeros(len(reward_funcs), N)                                        # (K, N)
     for k, fn in enumerate(reward_funcs):
         values = fn(prompts=prompts, completions=completions, **(columns or {}))
+        name = reward_name(fn)
         if values is None or len(values) != N:
             got = "None" if values is None else f"{len(values)} values"
-            raise ValueError(f"reward function {reward_name(fn)!r} returned {got} for {N} completions")
+            raise ValueError(f"reward function {name!r} returned {got} for {N} completions")
+        # WHY: a bool is an int in Python; refusing it catches a function that returns a comparison
+        #      where a score was meant, or a list of numbers where one number was meant.
         for v in values:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise TypeError(f"reward function {reward_name(fn)!r} returned {v!r}; expected a number")
+                raise TypeError(f"reward function {name!r} returned {v!r}; expected a number")
         per_fn[k] = torch.tensor(values, dtype=torch.float32)                         # (N,)
-    # PAPER: r_i = Σ_k w_k f_k(prompt_i, completion_i)       (rule-based rewards, §4.1 and DeepSeek-R1)
+    # PAPER: r_i = Σ_k w_k f_k(prompt_i, completion_i)     (rule-based rewards, as DeepSeek-R1's)
     rewards = (torch.tensor(weights, dtype=torch.float32)[:, None] * per_fn).sum(0)   # (N,)
     return rewards, {reward_name(fn): per_fn[k].mean().item() for k, fn in enumerate(reward_funcs)}
 
@@ -297,34 +343,53 @@ def compute_rewards(reward_funcs: Sequence[RewardFn], prompts: list[str], comple
 # ----------------------------------------------------------------------------------------------
 # 3. Group-relative advantages: the group mean replaces PPO's learned critic
 # ----------------------------------------------------------------------------------------------
+# PAPER: PPO learns a value function V(s) as its baseline: a second network the size of the
+#        policy, with its own gradients and optimizer state. GRPO drops it and uses the average
+#        reward of G outputs to the same question as the baseline (§4.1.1). That is the memory
+#        claim: no critic.
+# NOTE: a completion is pushed up when it beats its siblings, not when its reward is high. A group
+#       whose rewards all agree (all right, all wrong) therefore teaches nothing: its A is 0.
 def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: bool = True,
                      eps: float = 1e-4) -> torch.Tensor:
-    """Standardise each reward within its group of G: rewards (N,), groups contiguous -> (N,)."""
+    """Standardise each reward within its group of G: rewards (N,), groups contiguous -> (N,).
+    The baseline is the group's mean reward; dividing by the group's std puts every group's
+    advantages on one scale, however easy or hard its prompt.
+
+    Example (test_advantages_hand_worked): rewards [1, 0, 0, 1], one group of G = 4. Mean 0.5;
+    sample std sqrt(4 · 0.25 / 3) = 0.57735; A = ±0.5 / (0.57735 + 1e-4), which is
+    [+0.866, -0.866, -0.866, +0.866]. Rewards [1, 1, 1, 1] give A = [0, 0, 0, 0].
+    """
     if rewards.dim() != 1 or rewards.numel() % group_size != 0:
         raise ValueError(f"rewards must be 1-D with a length divisible by group_size={group_size}, "
                          f"got shape {tuple(rewards.shape)}")
     if group_size < 2:
-        raise ValueError(f"group_size must be at least 2 to have a group baseline, got {group_size}")
+        raise ValueError(f"group_size must be at least 2 for a group baseline, got {group_size}")
     grouped = rewards.view(-1, group_size).float()                                    # (B, G)
     mean = grouped.mean(dim=1, keepdim=True)                                          # (B, 1)
-    # PAPER: Â_i,t = r̃_i = (r_i - mean(r)) / std(r)                   (§4.1.2, outcome supervision)
+    # PAPER: Â_i,t = r̃_i = (r_i - mean(r)) / std(r)                (§4.1.2, outcome supervision)
     centred = grouped - mean                                                          # (B, G)
     if not scale_rewards:
-        # DEVIATION (opt-in, Dr. GRPO arXiv 2503.20783): dividing by std up-weights groups whose rewards
-        # barely differ (nearly all right or all wrong); mean-centring keeps the reward's scale.
+        # DEVIATION (opt-in, Dr. GRPO arXiv 2503.20783): dividing by std up-weights groups whose
+        # rewards barely differ (nearly all right or all wrong); centring keeps the reward's scale.
         return centred.view(-1)                                                       # (N,)
-    # NOTE: std is the SAMPLE std (Bessel, divide by G-1), as torch.std and TRL use; the paper is silent.
-    # NOTE: eps goes OUTSIDE the sqrt, added to std. A group whose rewards are all equal has centred == 0
-    #       exactly, so its advantage is 0/(0+eps) = 0, never NaN: such a group carries no signal.
+    # NOTE: std is the SAMPLE std (Bessel, divide by G-1), as torch.std and TRL use; the paper is
+    #       silent on it.
+    # NOTE: eps goes OUTSIDE the sqrt, added to std. A group whose rewards are all equal has
+    #       centred == 0 exactly, so its advantage is 0/(0+eps) = 0, never NaN: no signal.
     std = grouped.std(dim=1, keepdim=True)                                            # (B, 1)
     return (centred / (std + eps)).view(-1)                                           # (N,)
 
 
-def process_advantages(step_rewards: list[list[tuple[int, float]]], group_size: int, num_tokens: int,
-                       eps: float = 1e-4) -> torch.Tensor:
-    """Process supervision (§4.1.3). step_rewards[n] lists completion n's steps as (end token, reward).
-    Returns per-token advantages (N, T): each token gets the sum of the normalised rewards of the steps
-    that end at or after it.
+def process_advantages(step_rewards: list[list[tuple[int, float]]], group_size: int,
+                       num_tokens: int, eps: float = 1e-4) -> torch.Tensor:
+    """Process supervision (§4.1.3). step_rewards[n] lists completion n's steps as (end token,
+    reward). Returns per-token advantages (N, T): each token gets the sum of the normalised
+    rewards of the steps that end at or after it.
+
+    Example (test_process_advantages_hand_worked), G = 2, T = 4: completion 0 has right steps
+    ending at tokens 1 and 3, completion 1 one wrong step ending at token 2. R = [1, 1, 0]
+    normalises to [+0.577, +0.577, -1.155], so completion 0 gets [1.155, 1.155, 0.577, 0.577]
+    and completion 1 [-1.155, -1.155, -1.155, 0]. One step per completion is outcome supervision.
     """
     N = len(step_rewards)
     if N % group_size:
@@ -332,15 +397,17 @@ def process_advantages(step_rewards: list[list[tuple[int, float]]], group_size: 
     advantages = torch.zeros(N, num_tokens)                                           # (N, T)
     for g in range(0, N, group_size):
         group = step_rewards[g:g + group_size]
-        R = torch.tensor([r for steps in group for _, r in steps], dtype=torch.float32)  # (K,) all steps
-        # PAPER: r̃_i^index(j) = (r_i^index(j) - mean(R)) / std(R), R = every step reward in the group
-        # NOTE: as for outcomes: the sample std, eps added to it (equal step rewards give 0 everywhere).
-        #       A single step in the whole group has no spread: its advantage is 0.
+        R = torch.tensor([r for steps in group for _, r in steps], dtype=torch.float32)  # (K,)
+        # PAPER: r̃_i^index(j) = (r_i^index(j) - mean(R)) / std(R), R = every step reward of
+        #        the group
+        # NOTE: as for outcomes: the sample std, with eps added to it (equal step rewards give 0
+        #       everywhere). A single step in the whole group has no spread: its advantage is 0.
         std = R.std() if R.numel() > 1 else torch.tensor(0.0)                         # ()
         normalised = (R - R.mean()) / (std + eps) if R.numel() > 1 else torch.zeros_like(R)  # (K,)
-        k = 0
+        k = 0  # the index into R of the step being placed: R lists the group's steps in order
         for i, steps in enumerate(group):
             for end, _ in steps:
+                # WHY: an end outside the completion (from a careless reward) lands on its edge.
                 advantages[g + i, min(max(end, 0), num_tokens - 1)] += normalised[k]
                 k += 1
     # PAPER: Â_i,t = Σ_{index(j) >= t} r̃_i^index(j)      (a reverse cumulative sum over positions)
@@ -350,22 +417,29 @@ def process_advantages(step_rewards: list[list[tuple[int, float]]], group_size: 
 # ----------------------------------------------------------------------------------------------
 # 4. Per-token log-probabilities of the completion tokens
 # ----------------------------------------------------------------------------------------------
+# PAPER: the objective needs log π(o_it | q, o_i<t) under three policies: π_θ (with gradients,
+#        the one being trained), π_old (the sampler, for the ratio) and π_ref (the frozen start,
+#        for the KL term).
+# WHY: one function scores all three, so they see the same positions, masks and temperature.
 def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                    temperature: float = 1.0, with_entropy: bool = False):
-    """log π(o_t | q, o_<t) of each completion token: (n, P) and (n, T) -> logp (n, T) [, entropy].
+    """log π(o_t | q, o_<t) of each completion token: (n, P), (n, T) -> logp (n, T) [, entropy].
 
     Runs with gradients if the caller has them on; wrap it in torch.no_grad() for π_old and π_ref.
+    NOTE: the logits are divided by the sampling temperature, so the loss scores the very
+          distribution that drew the tokens; at any temperature but 1 that is not the raw softmax.
     """
     T = completion_ids.shape[1]
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)                        # (n, P+T)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)                 # (n, P+T)
-    # WHY: sampling numbers positions from the first real token of a left-padded prompt; so must we,
-    #      or models with absolute position embeddings would score a different sequence.
+    # WHY: sampling numbers positions from the first real token of a left-padded prompt; so must
+    #      we, or models with absolute position embeddings would score a different sequence.
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)                        # (n, P+T)
+    # WHY (memory): logits for the last T+1 positions only; the prompt's (n, P, V) are never read.
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                use_cache=False, **engine.last_logits_only(model, T + 1))  # WHY (memory): no prompt logits
-    logits = out.logits[:, -(T + 1):-1, :]                                            # (n, T, V)
-    logits = logits.float() / temperature                                             # (n, T, V)
+                use_cache=False, **engine.last_logits_only(model, T + 1))
+    # NOTE: the logit at position t predicts token t+1, so the completion's are one to the left.
+    logits = out.logits[:, -(T + 1):-1, :].float() / temperature                      # (n, T, V)
     # PAPER: log softmax(l)[o] = l[o] - logsumexp(l)
     # WHY (memory): gather + logsumexp never keeps a second (n, T, V) log_softmax tensor alive.
     chosen = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)              # (n, T)
@@ -374,9 +448,9 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
     if not with_entropy:
         return logp
     with torch.no_grad():
-        # NOTE: H = -Σ_v p_v log p_v = logsumexp(l) - Σ_v p_v l_v       (logged as `entropy`; no gradient)
-        # WHY (memory): one sequence at a time, so the softmax is a (T, V) temporary, not (n, T, V).
-        entropy = torch.stack([row_lse - (torch.softmax(row, dim=-1) * row).sum(-1)   # (T,) per row
+        # NOTE: H = -Σ_v p_v log p_v = logsumexp(l) - Σ_v p_v l_v     (logged as `entropy`)
+        # WHY (memory): one sequence at a time, so the softmax is a (T, V) temporary.
+        entropy = torch.stack([row_lse - (torch.softmax(row, dim=-1) * row).sum(-1)   # (T,) a row
                                for row, row_lse in zip(logits, lse)])                 # (n, T)
     return logp, entropy
 
@@ -384,12 +458,18 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
 # ----------------------------------------------------------------------------------------------
 # 5-7. The GRPO loss: clipped ratio (5), k3 KL (6), aggregation (7)
 # ----------------------------------------------------------------------------------------------
+# PAPER: eq. 3 is PPO's clipped surrogate with two changes: A is the group advantage, and the KL
+#        to π_ref is a term of the loss instead of a per-token penalty inside the reward.
+# NOTE: r_it(θ) in this section is the probability RATIO π_θ/π_old, not a reward; A holds rewards.
 def grpo_loss(logp, logp_old, logp_ref, advantages, completion_mask, *, clip_eps=0.2,
               clip_eps_high=None, beta=0.04, loss_type="grpo", max_completion_length=None,
               importance_sampling_level="token"):
-    """loss = -J(θ) for one batch. logp, logp_old, logp_ref, completion_mask: (N, T); advantages (N,)
-    for outcome supervision (one per completion) or (N, T) for process supervision (one per token).
+    """loss = -J(θ) for one batch. logp, logp_old, logp_ref, completion_mask: (N, T); advantages
+    (N,) for outcome supervision (one per completion) or (N, T) for process supervision.
     Returns (scalar loss, stats: kl, clip_ratio/low, clip_ratio/high, clip_ratio/region).
+
+    Example (test_clip_binds_above_with_positive_advantage): ratio 1.3, ε = 0.2, A = +1 gives
+    min(1.3, 1.2) = 1.2, and no gradient through the ratio: the update has gone far enough.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
@@ -397,13 +477,15 @@ def grpo_loss(logp, logp_old, logp_ref, advantages, completion_mask, *, clip_eps
         raise ValueError("logp_ref is required when beta != 0")
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     mask = completion_mask.to(logp.dtype)                                             # (N, T)
-    A = advantages.to(logp.dtype)                                                     # (N,) or (N, T)
-    A = A[:, None] if A.dim() == 1 else A                                             # (N, 1) or (N, T)
+    # NOTE: an outcome advantage broadcasts over its completion's tokens: every token of o_i gets
+    #       A_i (§4.1.2). A process advantage is already one per token.
+    A = advantages.to(logp.dtype).reshape(logp.shape[0], -1)                     # (N, 1) or (N, T)
 
     # 5. PAPER: r_it(θ) = π_θ(o_it|q,o_i<t) / π_old(o_it|q,o_i<t), as exp of a log difference
-    # NOTE: with μ = 1, logp_old is logp.detach(): the ratio is exactly 1 in value, yet its gradient is
-    #       ∇ratio = ratio·∇logp = ∇logp. So the printed loss is ~0 (advantages are zero-mean in each
-    #       group) while the gradient is REINFORCE's with the group baseline. Nothing is broken.
+    # NOTE: with μ = 1, logp_old is logp.detach(): the ratio is exactly 1 in value, yet its
+    #       gradient is ∇ratio = ratio·∇logp = ∇logp. So the printed loss is ~0 (advantages are
+    #       zero-mean in each group) while the gradient is REINFORCE's with the group baseline.
+    #       Nothing is broken.
     log_ratio = logp - logp_old                                                       # (N, T)
     if importance_sampling_level == "sequence":
         log_ratio = sequence_log_ratio(log_ratio, mask)  # DEVIATION (opt-in, GSPO): see Variants
@@ -412,9 +494,11 @@ def grpo_loss(logp, logp_old, logp_ref, advantages, completion_mask, *, clip_eps
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)                     # (N, T)
     surrogate = torch.min(ratio * A, clipped * A)                                     # (N, T)
 
-    # 6. PAPER: D_KL[π_θ||π_ref] = π_ref/π_θ - log(π_ref/π_θ) - 1         (eq. 4, Schulman's k3)
-    # NOTE: k3 is an unbiased, always >= 0 estimate of the REVERSE KL(π_θ || π_ref) from tokens sampled
-    #       from π_θ (here: π_old, equal to π_θ when μ = 1). It is added to the loss, not the reward.
+    # 6. PAPER: D_KL[π_θ||π_ref] = π_ref/π_θ - log(π_ref/π_θ) - 1        (eq. 4, Schulman's k3)
+    # NOTE: log(π_ref/π_θ) = ln 2 gives 2 - ln 2 - 1 = 0.3069; -ln 2 gives 0.5 + ln 2 - 1 = 0.1931.
+    # NOTE: k3 is an unbiased, always >= 0 estimate of the REVERSE KL(π_θ || π_ref) from tokens
+    #       sampled from π_θ (here π_old, equal to π_θ when μ = 1). It is in the loss, not the
+    #       reward.
     if beta != 0:
         log_ref_ratio = logp_ref - logp                                               # (N, T)
         kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1                             # (N, T)
@@ -423,9 +507,9 @@ def grpo_loss(logp, logp_old, logp_ref, advantages, completion_mask, *, clip_eps
         kl = torch.zeros_like(logp)                                                   # (N, T)
         per_token = -surrogate                                                        # (N, T)
 
-    # 7. NOTE: per-sequence vs per-token averaging. 'grpo' gives every completion equal weight, so a
-    #       token of a long completion weighs less than one of a short completion (a length bias, see
-    #       Dr. GRPO); 'token' weighs every token in the batch alike. They differ when lengths differ.
+    # 7. NOTE: per-sequence vs per-token averaging. 'grpo' gives every completion equal weight, so
+    #       a token of a long completion weighs less than one of a short completion (a length bias,
+    #       see Dr. GRPO); 'token' weighs all tokens alike. They differ when lengths differ.
     if loss_type == "grpo":
         # PAPER: 1/G Σ_i 1/|o_i| Σ_t                                                  (eq. 3)
         loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
@@ -443,19 +527,26 @@ def grpo_loss(logp, logp_old, logp_ref, advantages, completion_mask, *, clip_eps
 def loss_stats(ratio, A, kl, mask, clip_eps: float, clip_eps_high: float) -> dict:
     """Mean KL per token and the share of tokens where the clip binds (TRL's clip_ratio/* names)."""
     n_tok = mask.sum().clamp(min=1)                                                   # ()
-    low = ((ratio < 1 - clip_eps) & (A < 0)).to(mask.dtype)                           # (N, T) binds below
-    high = ((ratio > 1 + clip_eps_high) & (A > 0)).to(mask.dtype)                     # (N, T) binds above
-    return {"kl": ((kl * mask).sum() / n_tok).item(),
-            "clip_ratio/low": ((low * mask).sum() / n_tok).item(),
-            "clip_ratio/high": ((high * mask).sum() / n_tok).item(),
-            "clip_ratio/region": (((low + high) * mask).sum() / n_tok).item()}
+    low = ((ratio < 1 - clip_eps) & (A < 0)).to(mask.dtype)                       # (N, T) binds low
+    high = ((ratio > 1 + clip_eps_high) & (A > 0)).to(mask.dtype)                # (N, T) binds high
+    # NOTE: at μ = 1 the ratio is exactly 1, so the clip never binds and all three shares are 0.
+    #       They move only from the second update of a batch on (μ > 1), as π_θ drifts from π_old.
+    # Each entry below is an (N, T) tensor; the stat is its mean over the real tokens.
+    per_token = {"kl": kl, "clip_ratio/low": low, "clip_ratio/high": high,
+                 "clip_ratio/region": low + high}
+    return {k: ((v * mask).sum() / n_tok).item() for k, v in per_token.items()}
 
 
 # ----------------------------------------------------------------------------------------------
 # 8. The policy update: μ optimizer steps on one batch of samples
 # ----------------------------------------------------------------------------------------------
+# PAPER: Algorithm 1, "for GRPO iteration = 1..μ: update π_θ by maximising the GRPO objective".
+#        With μ = 1 (the paper's setting) every batch is used for exactly one AdamW step.
+# WHY: micro-batches bound memory; their weighted gradients add up to the full batch's exactly.
 def make_reference(policy):
-    """A frozen copy of the policy: π_ref. PAPER: the reference is the initial (SFT) model."""
+    """A frozen copy of the policy: π_ref. PAPER: the reference is the initial (SFT) model.
+    NOTE: it costs one more copy of the weights, but no gradients and no optimizer state; β = 0
+          needs no reference at all."""
     ref = copy.deepcopy(policy).eval()
     ref.requires_grad_(False)
     return ref
@@ -464,11 +555,13 @@ def make_reference(policy):
 def disable_dropout(model):
     """Set every dropout probability in `model` to 0, in place.
 
-    WHY: with dropout on, π_θ in the ratio is a different random function from the π_old that sampled,
-    so the ratio is not 1 at μ = 1 and the KL is noisy. TRL does the same. (Llama/Qwen configs already
-    use 0; GPT-2 uses 0.1.) We zero it rather than call .eval(), because gradient checkpointing in
-    transformers only runs in train mode.
+    WHY: with dropout on, π_θ in the ratio is a different random function from the π_old that
+    sampled, so the ratio is not 1 at μ = 1 and the KL is noisy. TRL does the same. (Llama and
+    Qwen configs already use 0; GPT-2 uses 0.1.) We zero it rather than call .eval(), because
+    gradient checkpointing in transformers only runs in train mode.
     """
+    # NOTE: some attention layers keep their dropout as a float attribute (Llama's and Qwen's
+    #       attention_dropout), not as an nn.Dropout module; both are zeroed.
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
@@ -478,48 +571,52 @@ def disable_dropout(model):
 
 
 def make_optimizer(policy, cfg: GRPOConfig):
-    """AdamW over the trainable parameters. PAPER: AdamW (§4.2, lr 1e-6)."""
+    """AdamW over the trainable parameters. PAPER: AdamW (§4.2, lr 1e-6 for the 7B model; the
+    tiny world's 0.5 M-parameter model wants 1e-4, see train_gsm8k.py's presets)."""
     params = [p for p in policy.parameters() if p.requires_grad]
-    # WHY (GPU memory, speed): AdamW's default foreach path makes model-sized temporaries at every step
-    #      on a GPU; the fused kernel does without them (TRL uses it too). The CPU keeps the default.
+    # WHY (GPU memory, speed): AdamW's default foreach path makes model-sized temporaries at every
+    #      step on a GPU; the fused kernel does without (TRL uses it too). The CPU keeps the
+    #      default, a plain loop with no such temporaries.
     fused = all(p.device.type == "cuda" for p in params)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
 
 
-def micro_batch_weights(completion_mask: torch.Tensor, slices: list[slice], loss_type: str) -> list:
-    """Weight of each micro-batch's mean loss so that the weighted sum equals the full-batch loss:
-    'grpo' and 'dr_grpo' average over sequences (n_mb / N), 'token' over tokens (tokens_mb / total)."""
-    if loss_type == "token":
-        total = completion_mask.sum().clamp(min=1).item()
-        return [completion_mask[s].sum().item() / total for s in slices]
-    N = completion_mask.shape[0]
-    return [(s.stop - s.start) / N for s in slices]
-
-
 def micro_batches(batch: dict, size: int):
-    """(slice, model inputs) for each micro-batch of `size` sequences; the last one may be smaller."""
+    """(slice, model inputs) for each micro-batch of `size` sequences; the last may be smaller.
+    The inputs are token_logprobs' first four arguments, in order."""
     N = batch["completion_ids"].shape[0]
+    # NOTE: slices, not copies: each micro-batch is a view of the batch's tensors.
     for i in range(0, N, size):
         s = slice(i, min(i + size, N))
-        yield s, (batch["prompt_ids"][s], batch["prompt_mask"][s],                    # (n, P), (n, P)
-                  batch["completion_ids"][s], batch["completion_mask"][s])            # (n, T), (n, T)
+        yield s, (batch["prompt_ids"][s], batch["prompt_mask"][s],                # (n, P), (n, P)
+                  batch["completion_ids"][s], batch["completion_mask"][s])        # (n, T), (n, T)
 
 
 def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOConfig) -> dict:
     """Algorithm 1's inner loop: μ optimizer steps on this batch, each over every micro-batch.
-    logp_old is None when μ = 1 (then π_old = π_θ). Returns the loss, KL, clip, entropy and grad stats."""
-    mask, mu = batch["completion_mask"], cfg.num_iterations                           # (N, T)
-    slices = [s for s, _ in micro_batches(batch, cfg.micro_batch_size)]
-    weights = micro_batch_weights(mask, slices, cfg.loss_type)
+    logp_old is None when μ = 1 (π_old = π_θ). Returns loss, KL, clip, entropy and gradient stats.
+
+    Each update: zero the gradient; for each micro-batch, score the tokens under π_θ (4), build
+    the loss (5-7) and backward its weighted share; clip the global gradient norm; one AdamW step.
+    NOTE: at μ = 1 the logged loss is ~0 while the gradient is not (grpo_loss, step 5); watch
+          reward and kl, not loss. An update whose loss or gradient is not finite is skipped.
+    """
+    mask, mu, size = batch["completion_mask"], cfg.num_iterations, cfg.micro_batch_size  # (N, T)
+    slices = [s for s, _ in micro_batches(batch, size)]
+    # WHY: each micro-batch's mean loss is weighted so that the weighted sum is the full batch's
+    #      loss (and so its gradient): 'grpo' and 'dr_grpo' average over sequences, so a micro-batch
+    #      weighs n_mb / N; 'token' averages over tokens, so it weighs its share of the tokens.
     tok_share = [mask[s].sum().item() / max(1, mask.sum().item()) for s in slices]
-    stats = dict.fromkeys(["loss", "kl", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region"], 0.0)
+    weights = (tok_share if cfg.loss_type == "token"
+               else [(s.stop - s.start) / mask.shape[0] for s in slices])
+    stats = {"loss": 0.0}  # then kl and clip_ratio/*: each a token-weighted mean over the batch
     entropy_sum, grad_norm, skipped = 0.0, 0.0, 0
     for it in range(mu):
         optimizer.zero_grad(set_to_none=True)
         loss_this_update = 0.0
-        for (s, inputs), w, share in zip(micro_batches(batch, cfg.micro_batch_size), weights, tok_share):
-            logp, entropy = token_logprobs(policy, *inputs, cfg.temperature, with_entropy=True)  # (n, T)
-            # NOTE: with μ = 1 there is no π_old forward pass: π_old = π_θ, so logp_old = logp.detach().
+        for (s, inputs), w, share in zip(micro_batches(batch, size), weights, tok_share):
+            logp, entropy = token_logprobs(policy, *inputs, cfg.temperature, with_entropy=True)
+            # NOTE: with μ = 1 no π_old pass was run: π_old = π_θ, so logp_old = logp.detach().
             old = logp.detach() if logp_old is None else logp_old[s]                  # (n, T)
             ref = None if logp_ref is None else logp_ref[s]                           # (n, T)
             loss, loss_parts = grpo_loss(
@@ -527,20 +624,20 @@ def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOC
                 clip_eps_high=cfg.clip_eps_high, beta=cfg.beta, loss_type=cfg.loss_type,
                 max_completion_length=cfg.max_new_tokens,
                 importance_sampling_level=cfg.importance_sampling_level)
-            # WHY: weighting each micro-batch makes the summed gradient equal the full-batch gradient.
             (loss * w).backward()
             loss_this_update += loss.item() * w
-            for k in ("kl", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region"):
-                stats[k] += loss_parts[k] * share / mu
+            for k, v in loss_parts.items():
+                stats[k] = stats.get(k, 0.0) + v * share / mu
             if it == 0:
                 entropy_sum += (entropy * mask[s].float()).sum().item()
         stats["loss"] += loss_this_update / mu
+        # WHY: clip the norm of the summed gradient, after every micro-batch, as one batch would.
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm).item()
         if math.isfinite(grad_norm) and math.isfinite(loss_this_update):
             optimizer.step()
         else:
-            # WHY: one non-finite gradient would poison every weight through Adam's moments; skip the
-            #      update, leave weights and optimizer state untouched, and count it (skipped_updates).
+            # WHY: one non-finite gradient would poison every weight through Adam's moments; skip
+            #      the update, leave weights and optimizer state untouched, count it (metrics).
             skipped += 1
         optimizer.zero_grad(set_to_none=True)
     stats["entropy"] = entropy_sum / max(1.0, mask.sum().item())
@@ -550,18 +647,23 @@ def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOC
 # ----------------------------------------------------------------------------------------------
 # 9. One GRPO step: Algorithm 1's inner loop, in the paper's order
 # ----------------------------------------------------------------------------------------------
+# grpo_step is the whole algorithm as a few calls: rollout (1-3), the dynamic-sampling variant if
+# it is on, fixed_logprobs (4), policy_update (5-8), step_metrics. Everything else in this file is
+# one of those calls, or a piece of one.
 def rollout(policy, tokenizer, prompts: list[str], columns: dict | None,
-            reward_funcs: Sequence[RewardFn], cfg: GRPOConfig) -> dict:
-    """Steps 1-3 for B prompts: sample G completions each, score them, standardise within each group.
+            reward_funcs: Sequence[Callable], cfg: GRPOConfig) -> dict:
+    """Steps 1-3 for B prompts: sample G completions each, score them, standardise in each group.
     Returns sample_completions' batch plus, per completion: prompts, columns, rewards (N,),
-    advantages ((N,) outcome, (N, T) process) and reward_means (name -> mean)."""
+    advantages ((N,) outcome, (N, T) process) and reward_means (name -> mean).
+    NOTE: this is all of GRPO that touches the reward; everything after it sees only advantages.
+    """
     G = cfg.group_size
     # 1. Sample G completions per prompt from the current policy, which is π_old for this step.
     batch = sample_completions(policy, tokenizer, prompts, cfg)
     assert batch["completion_ids"].shape[0] == len(prompts) * G
     # Every per-prompt column is repeated G times, so row n of every list belongs together.
     batch["prompts"] = [p for p in prompts for _ in range(G)]
-    batch["columns"] = {k: [v for v in vals for _ in range(G)] for k, vals in (columns or {}).items()}
+    batch["columns"] = {k: [v for v in vs for _ in range(G)] for k, vs in (columns or {}).items()}
     if cfg.supervision == "process":
         return score_steps(batch, tokenizer, reward_funcs, cfg)  # 2-3 per step: see Variants
     # 2. Score: one reward per completion.
@@ -575,30 +677,38 @@ def rollout(policy, tokenizer, prompts: list[str], columns: dict | None,
 
 @torch.no_grad()
 def fixed_logprobs(policy, ref_model, batch: dict, cfg: GRPOConfig):
-    """Step 4's log-probs that stay fixed during the update: log π_old (only for μ > 1) and log π_ref
-    (only for β != 0); each (N, T) or None."""
+    """Step 4's log-probs that stay fixed during the update: log π_old (only for μ > 1) and
+    log π_ref (only for β != 0); each (N, T) or None.
+    NOTE: π_old must be scored before the first update moves π_θ: after it, π_θ is no longer the
+          policy that sampled."""
     def over_batch(model):
-        return torch.cat([token_logprobs(model, *inputs, cfg.temperature)               # (n, T)
+        return torch.cat([token_logprobs(model, *inputs, cfg.temperature)              # (n, T)
                           for _, inputs in micro_batches(batch, cfg.micro_batch_size)])  # (N, T)
 
-    # NOTE: with μ = 1 this forward pass is skipped: π_old = π_θ, and policy_update uses logp.detach().
+    # NOTE: with μ = 1 this pass is skipped: π_old = π_θ, and policy_update uses logp.detach().
     logp_old = over_batch(policy) if cfg.num_iterations > 1 else None
     logp_ref = over_batch(ref_model) if cfg.beta != 0 else None
     return logp_old, logp_ref
 
 
 def grpo_step(policy, ref_model, optimizer, tokenizer, prompts: list[str],
-              reward_funcs: Sequence[RewardFn], cfg: GRPOConfig, columns: dict | None = None,
+              reward_funcs: Sequence[Callable], cfg: GRPOConfig, columns: dict | None = None,
               return_samples: bool = False,
               more_prompts: Callable[[int], tuple[list[str], dict]] | None = None) -> dict:
     """One GRPO step on B prompts: sample, score, standardise, then μ clipped-ratio updates.
 
-    columns: extra per-prompt data for the reward functions (e.g. {"answer": [...]}, B entries each).
-    return_samples=True adds metrics["samples"]: per completion its prompt, text, reward, advantage.
+    columns: extra per-prompt data for the reward functions (e.g. {"answer": [...]}, B each).
+    return_samples=True adds metrics["samples"]: per completion its prompt, text, reward, A.
     more_prompts(k) -> (k prompts, their columns): fresh prompts for cfg.dynamic_sampling.
     Returns the step's metrics, named as TRL names them.
+
+        policy = disable_dropout(model); ref = make_reference(policy)
+        optimizer = make_optimizer(policy, cfg)
+        for prompts, answers in batches:          # Algorithm 1: for step = 1..M
+            m = grpo_step(policy, ref, optimizer, tokenizer, prompts, [correctness_reward], cfg,
+                          columns={"answer": answers})
     """
-    t0 = time.perf_counter()
+    t0 = time.perf_counter()  # WHY: step_time covers all of it: sampling, scoring and the update
     if cfg.beta != 0 and ref_model is None:
         raise ValueError("beta != 0 needs a reference model (make_reference(policy))")
     # 1-3. Sample G completions per prompt, score them, standardise the rewards within each group.
@@ -607,8 +717,9 @@ def grpo_step(policy, ref_model, optimizer, tokenizer, prompts: list[str],
     if cfg.dynamic_sampling:  # DEVIATION (opt-in, DAPO): keep only groups with signal, see Variants
         batch, sampled = dynamic_sampling(batch, len(prompts), more_prompts, policy, tokenizer,
                                           reward_funcs, cfg)
-    # 4. log π_old and log π_ref of the sampled tokens, fixed while the policy moves.
-    logp_old, logp_ref = fixed_logprobs(policy, ref_model, batch, cfg)                # (N, T) or None
+    # 4. log π_old and log π_ref of the sampled tokens, fixed while the policy moves. (π_θ's own
+    #    log-probs are taken inside the update, with gradients.)
+    logp_old, logp_ref = fixed_logprobs(policy, ref_model, batch, cfg)            # (N, T) or None
     # 5-8. μ updates: ratio, clip, KL, aggregation, backward, gradient clip, AdamW step.
     update = policy_update(policy, optimizer, batch, logp_old, logp_ref, cfg)
     metrics = step_metrics(batch, sampled, update, cfg)
@@ -620,11 +731,18 @@ def grpo_step(policy, ref_model, optimizer, tokenizer, prompts: list[str],
 
 def step_metrics(batch: dict, sampled: list[dict], update: dict, cfg: GRPOConfig) -> dict:
     """The step's metrics, named as TRL names them. Rewards describe everything sampled this step
-    (every dynamic-sampling round); the rest describes the batch that was trained on."""
+    (every dynamic-sampling round); the rest describes the batch that was trained on.
+
+    What healthy looks like: reward rises; frac_reward_zero_std well below 1 (else the groups carry
+    no signal: problems too easy or too hard for G samples); kl starts at 0 and grows slowly; the
+    clip ratios are 0 at μ = 1; completions/clipped_ratio near 0 (else answers are cut off).
+    """
     G = cfg.group_size
     all_rewards = torch.cat([b["rewards"] for b in sampled])                          # (all,)
+    # NOTE: reward_std is the mean over groups of the within-group std (TRL's definition), not
+    #       the std of all rewards: it is 0 exactly when no group carries a signal.
     group_std = all_rewards.view(-1, G).std(dim=1)                                    # (groups,)
-    counts = [len(b["prompts"]) for b in sampled]
+    counts = [len(b["prompts"]) for b in sampled]  # WHY: each round's means weigh by its size
     reward_means = {k: sum(b["reward_means"][k] * n for b, n in zip(sampled, counts)) / sum(counts)
                     for k in sampled[0]["reward_means"]}
     lengths = batch["completion_mask"].sum(1).float()                                 # (N,)
@@ -633,12 +751,9 @@ def step_metrics(batch: dict, sampled: list[dict], update: dict, cfg: GRPOConfig
         "reward_std": group_std.mean().item(),
         **{f"rewards/{name}": v for name, v in reward_means.items()},
         "frac_reward_zero_std": (group_std < 1e-8).float().mean().item(),
-        **{k: update[k] for k in ("loss", "kl", "clip_ratio/low", "clip_ratio/high",
-                                  "clip_ratio/region", "entropy")},
+        **update,  # loss, kl, clip_ratio/low, /high, /region, entropy, grad_norm, skipped_updates
         "completions/mean_length": lengths.mean().item(),
         "completions/clipped_ratio": batch["truncated"].float().mean().item(),
-        "grad_norm": update["grad_norm"],
-        "skipped_updates": update["skipped_updates"],
     }
     if cfg.dynamic_sampling:
         metrics["dynamic_sampling/rounds"] = len(sampled) - 1
@@ -648,8 +763,8 @@ def step_metrics(batch: dict, sampled: list[dict], update: dict, cfg: GRPOConfig
 
 def samples_of(batch: dict) -> list[dict]:
     """One dict per completion: prompt, completion, reward, advantage (to spot reward hacking).
-    NOTE: under process supervision the advantage is per token; the first token's, the sum of every
-          normalised step reward of the completion, is the one logged."""
+    NOTE: under process supervision the advantage is per token; the first token's, the sum of all
+          the completion's normalised step rewards, is the one logged."""
     A = batch["advantages"]
     first = A if A.dim() == 1 else A[:, 0]                                            # (N,)
     return [dict(prompt=p, completion=c, reward=r, advantage=a) for p, c, r, a in
@@ -659,33 +774,41 @@ def samples_of(batch: dict) -> list[dict]:
 # ----------------------------------------------------------------------------------------------
 # Variants: each is one call from the core above
 # ----------------------------------------------------------------------------------------------
+# Process supervision is the paper's own (§4.1.3); GSPO and DAPO's dynamic sampling came after.
+# Each is off by default, switched on by one GRPOConfig field, and tested with its own numbers.
 def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """GSPO (arXiv 2507.18071): one length-normalised log-ratio per completion, (N, T) -> (N, T).
 
-    DEVIATION (opt-in): s_i(θ) = exp( 1/|o_i| Σ_t log(π_θ(o_it)/π_old(o_it)) ), shared by all the
-    tokens of completion i, so the clip keeps or drops a completion as a whole.
+    DEVIATION (opt-in): s_i(θ) = exp( 1/|o_i| Σ_t log(π_θ(o_it)/π_old(o_it)) ), shared by all
+    the tokens of completion i, so the clip keeps or drops a completion as a whole.
+    NOTE: at μ = 1 every ratio is 1 either way, so GSPO's gradient there equals GRPO's; it only
+          differs from the second update of a batch on.
     """
     lengths = mask.sum(1, keepdim=True).clamp(min=1)                                  # (N, 1)
     return ((log_ratio * mask).sum(1, keepdim=True) / lengths).expand_as(log_ratio)   # (N, T)
 
 
-def score_steps(batch: dict, tokenizer, reward_funcs: Sequence[RewardFn], cfg: GRPOConfig) -> dict:
-    """Process supervision's steps 2-3 (§4.1.3): one reward per reasoning step, mapped to the token
-    where the step ends, then process_advantages. The reward function returns, per completion, a list
-    of (end character, reward) steps; the last step is the final answer's."""
+def score_steps(batch: dict, tokenizer, reward_funcs: Sequence[Callable], cfg: GRPOConfig) -> dict:
+    """Process supervision's steps 2-3 (§4.1.3): one reward per reasoning step, put on the token
+    where the step ends, then process_advantages. The reward function returns, per completion, a
+    list of (end character, reward) steps; the last step is the final answer's.
+    NOTE: the paper's step rewards come from a learned process reward model; ours check each
+          calculator annotation with rewards.evaluate_arithmetic, a rule."""
     N, T = batch["completion_ids"].shape
-    if len(reward_funcs) != 1:
-        raise ValueError(f"process supervision takes one step-reward function, got {len(reward_funcs)}")
+    if (n_funcs := len(reward_funcs)) != 1:
+        raise ValueError(f"process supervision takes one step-reward function, got {n_funcs}")
     fn = reward_funcs[0]
     steps = fn(prompts=batch["prompts"], completions=batch["completions"], **batch["columns"])
     if len(steps) != N or not all(isinstance(s, (list, tuple)) and len(s) >= 1 for s in steps):
         raise ValueError(f"process reward {reward_name(fn)!r} must return, for each of the {N} "
                          f"completions, a non-empty list of (end, reward) steps")
+    # A step ends at a character of the decoded text; its reward goes on the token holding that
+    # character (rewards.step_token_index), so tokens after a wrong step are not blamed for it.
     lengths = batch["completion_mask"].sum(1)                                         # (N,)
     ends = rewards.step_token_index(tokenizer, batch["completion_ids"], lengths,
                                     [[e for e, _ in s] for s in steps])
     token_steps = [list(zip(e, (float(r) for _, r in s))) for e, s in zip(ends, steps)]
-    batch["rewards"] = torch.tensor([float(s[-1][1]) for s in steps])                 # (N,) outcome
+    batch["rewards"] = torch.tensor([float(s[-1][1]) for s in steps])                 # (N,)
     batch["reward_means"] = {reward_name(fn): batch["rewards"].mean().item(), "steps_mean":
                              sum(r for s in steps for _, r in s) / sum(len(s) for s in steps)}
     A = process_advantages(token_steps, cfg.group_size, T, cfg.adv_eps)               # (N, T)
@@ -694,59 +817,53 @@ def score_steps(batch: dict, tokenizer, reward_funcs: Sequence[RewardFn], cfg: G
 
 
 def dynamic_sampling(batch: dict, B: int, more_prompts, policy, tokenizer,
-                     reward_funcs: Sequence[RewardFn], cfg: GRPOConfig):
+                     reward_funcs: Sequence[Callable], cfg: GRPOConfig):
     """DAPO's dynamic sampling (arXiv 2503.14476). Returns (the batch to train on, every rollout).
 
-    DEVIATION (opt-in): a group whose rewards all agree has advantage 0 on every token, so it adds no
-    policy gradient and only shrinks the step. Drop such groups and top the batch up with fresh prompts,
-    for at most cfg.dynamic_sampling more rounds.
+    DEVIATION (opt-in): a group whose rewards all agree has advantage 0 on every token, so it adds
+    no policy gradient and only shrinks the step. Drop such groups and top the batch up with fresh
+    prompts, for at most cfg.dynamic_sampling more rounds.
+    NOTE: the price is sampling: on the tiny world DAPO drew about 3x the completions of GRPO.
     """
     G, sampled = cfg.group_size, [batch]
-    pad_id = pad_token_id(policy, tokenizer)
 
-    def with_signal(b):
+    def with_signal(b):  # the groups with any non-zero advantage
         return [g for g in range(len(b["prompts"]) // G)
                 if b["advantages"][g * G:(g + 1) * G].abs().sum() > 0]
 
-    kept = select_groups(batch, with_signal(batch), G)
+    parts = [(batch, with_signal(batch))]                  # (rollout, its groups to keep)
     for _ in range(cfg.dynamic_sampling):
-        missing = B - len(kept["prompts"]) // G
+        missing = B - sum(len(groups) for _, groups in parts)
         if missing <= 0 or more_prompts is None:
             break
         extra = rollout(policy, tokenizer, *more_prompts(missing), reward_funcs, cfg)
         sampled.append(extra)
-        kept = concat_batches(kept, select_groups(extra, with_signal(extra)[:missing], G), pad_id)
-    # WHY: if every group agreed, train on the first draw as plain GRPO would (A = 0 everywhere).
-    return (kept if kept["prompts"] else batch), sampled
+        parts.append((extra, with_signal(extra)[:missing]))
+    if not any(groups for _, groups in parts):
+        # WHY: if every group agreed, train on the first draw as plain GRPO would (A = 0).
+        return batch, sampled
+    return merge_groups(parts, G, engine.pad_token_id(policy, tokenizer)), sampled
 
 
-def select_groups(batch: dict, groups: list[int], G: int) -> dict:
-    """The rows of the given groups (each G consecutive rows) of a rollout batch."""
-    rows = [g * G + i for g in groups for i in range(G)]
-    idx = torch.tensor(rows, dtype=torch.long)                                        # (n,)
-    out = {k: v[idx.to(v.device)] for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    out["completions"] = [batch["completions"][r] for r in rows]
-    out["prompts"] = [batch["prompts"][r] for r in rows]
-    out["columns"] = {k: [v[r] for r in rows] for k, v in batch["columns"].items()}
-    return out
-
-
-def concat_batches(a: dict, b: dict, pad_id: int) -> dict:
-    """Two rollout batches as one: prompts re-padded on the left, completions on the right."""
-    def pad(x, width, side, value):
-        fill = x.new_full((x.shape[0], width - x.shape[1], *x.shape[2:]), value)
-        return torch.cat([fill, x] if side == "left" else [x, fill], dim=1)
-
-    out = {"completions": a["completions"] + b["completions"], "prompts": a["prompts"] + b["prompts"],
-           "columns": {k: a["columns"][k] + b["columns"][k] for k in a["columns"]}}
-    P = max(a["prompt_ids"].shape[1], b["prompt_ids"].shape[1])
-    T = max(a["completion_ids"].shape[1], b["completion_ids"].shape[1])
-    for k, width, side, value in [("prompt_ids", P, "left", pad_id), ("prompt_mask", P, "left", 0),
-                                  ("completion_ids", T, "right", pad_id),
-                                  ("completion_mask", T, "right", 0)]:
-        out[k] = torch.cat([pad(a[k], width, side, value), pad(b[k], width, side, value)])
-    for k in ("rewards", "truncated"):
-        out[k] = torch.cat([a[k], b[k]])
-    adv = [a["advantages"], b["advantages"]]
-    out["advantages"] = torch.cat(adv if adv[0].dim() == 1 else [pad(x, T, "right", 0.0) for x in adv])
+def merge_groups(parts: list[tuple[dict, list[int]]], G: int, pad_id: int) -> dict:
+    """The chosen groups (each G consecutive rows) of several rollouts, as one rollout: prompts
+    re-padded on the left, completions and per-token advantages on the right."""
+    # WHY: each rollout was padded to its own longest prompt and completion; the merged batch is
+    #      re-padded to the longest of all, on the same sides, so the masks stay exact.
+    rows = [(b, [g * G + i for g in groups for i in range(G)]) for b, groups in parts]
+    out = {k: [b[k][r] for b, rs in rows for r in rs] for k in ("prompts", "completions")}
+    out["columns"] = {k: [b["columns"][k][r] for b, rs in rows for r in rs]
+                      for k in parts[0][0]["columns"]}
+    P = max(b["prompt_ids"].shape[1] for b, _ in parts)
+    T = max(b["completion_ids"].shape[1] for b, _ in parts)
+    padding = {"prompt_ids": (P, "left", pad_id), "prompt_mask": (P, "left", 0),
+               "completion_ids": (T, "right", pad_id), "completion_mask": (T, "right", 0),
+               "advantages": (T, "right", 0.0), "rewards": None, "truncated": None}
+    for k, pad in padding.items():
+        xs = [b[k][torch.tensor(rs, dtype=torch.long, device=b[k].device)] for b, rs in rows]
+        if pad is not None and xs[0].dim() == 2:  # WHY: outcome advantages are (n,), never padded
+            width, side, value = pad
+            fills = [x.new_full((x.shape[0], width - x.shape[1]), value) for x in xs]  # (n, gap)
+            xs = [torch.cat([f, x] if side == "left" else [x, f], dim=1) for x, f in zip(xs, fills)]
+        out[k] = torch.cat(xs)                                                        # (n_all, ...)
     return out

@@ -6,8 +6,9 @@ gsm8k.py -- the GSM8K task: its data, its prompts, its reward functions and its 
     accuracy = evaluate(model, tokenizer, rows, cfg)                 # greedy, the training checker
 
 Every source becomes a list of {"question": str, "answer": str} rows, GSM8K's own format (the answer
-ends in `#### <number>`). A bad row fails at once with one line naming the file and line (InputError),
-before any model loads. train_gsm8k.py, train_trl.py and ablation.py all take their data from here.
+ends in `#### <number>`). A bad row fails at once with one line naming the file and line
+(InputError), before any model loads. train_gsm8k.py, train_trl.py and ablation.py all take their
+data from here.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import grpo
 import rewards
 from flags import InputError
 
-GSM8K_SYSTEM_PROMPT = ("Solve the math problem step by step. "
-                       "Finish with a last line of the form '#### <number>', giving only the final number.")
+GSM8K_SYSTEM_PROMPT = (
+    "Solve the math problem step by step. "
+    "Finish with a last line of the form '#### <number>', giving only the final number."
+)
 
 # WHY format_reward with weight 0: it is logged (rewards/format_reward) so a broken layout shows up,
 # but the optimised reward is the paper's: is the final answer right.
@@ -47,7 +50,9 @@ def read_jsonl(path: Path) -> list[dict]:
             raise InputError(f"{path}:{n}: not valid JSON ({e.msg})") from None
         if not isinstance(row, dict) or not all(isinstance(row.get(k), str)
                                                 for k in ("question", "answer")):
-            raise InputError(f"{path}:{n}: expected an object with string fields 'question' and 'answer'")
+            raise InputError(
+                f"{path}:{n}: expected an object with string fields 'question' and 'answer'"
+            )
         try:
             rewards.gold_answer(row["answer"])
         except ValueError:
@@ -59,9 +64,12 @@ def read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def load_data(data: str, eval_size: int, n_train: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """(train rows, held-out rows) from the tiny world ('tiny': n_train generated problems, the order
-    set by seed), a local directory with train.jsonl and test.jsonl, or the hub ('openai/gsm8k')."""
+def load_data(
+    data: str, eval_size: int, n_train: int, seed: int = 0
+) -> tuple[list[dict], list[dict]]:
+    """(train rows, held-out rows) from the tiny world ('tiny': n_train generated problems, the
+    order set by seed), a local directory with train.jsonl and test.jsonl, or the hub
+    ('openai/gsm8k')."""
     if data == "tiny":
         import tiny_world
         return (tiny_world.make_problems(n_train, "train", seed=seed + 1),
@@ -81,7 +89,7 @@ def load_data(data: str, eval_size: int, n_train: int, seed: int = 0) -> tuple[l
 
 
 def make_prompt(tokenizer, question: str, system_prompt: str = "") -> str:
-    """The chat template when the tokenizer has one (instruct models); else the question and a newline."""
+    """The chat template if the tokenizer has one (instruct models); else the question and "\n"."""
     if getattr(tokenizer, "chat_template", None):
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
             {"role": "user", "content": question}]
@@ -90,7 +98,7 @@ def make_prompt(tokenizer, question: str, system_prompt: str = "") -> str:
 
 
 def columns_of(rows: list[dict]) -> dict:
-    """The per-prompt columns every reward function receives (TRL passes a dataset's the same way)."""
+    """The per-prompt columns every reward function receives (TRL passes a dataset's likewise)."""
     return {"answer": [r["answer"] for r in rows], "question": [r["question"] for r in rows]}
 
 
@@ -98,13 +106,14 @@ def columns_of(rows: list[dict]) -> dict:
 # Rewards, checked up front
 # ----------------------------------------------------------------------------------------------
 def reward_funcs_for(supervision: str) -> list:
-    """The reward functions a run optimises: the outcome checkers, or the calculator's step rewards."""
+    """The reward functions a run optimises: outcome checkers, or the calculator's step rewards."""
     return PROCESS_REWARD_FUNCS if supervision == "process" else REWARD_FUNCS
 
 
 def check_reward_funcs(funcs, rows: list[dict], cfg: grpo.GRPOConfig):
-    """Call every reward function once on a few gold solutions before any model is loaded, so one that
-    returns the wrong number of values or a non-number fails now, not at step 1 of a long run."""
+    """Call every reward function once on a few gold solutions before any model is loaded, so one
+    that returns the wrong number of values or a non-number fails now, not at step 1 of a long
+    run."""
     if cfg.supervision == "process":
         return  # WHY: step rewards are lists, checked by grpo.score_steps
     if cfg.reward_weights is not None and len(cfg.reward_weights) != len(funcs):
@@ -129,6 +138,12 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: grpo.GRPOConfig, system_pr
         chunk = rows[i:i + batch_size]
         prompts = [make_prompt(tokenizer, r["question"], system_prompt) for r in chunk]
         out = grpo.sample_completions(model, tokenizer, prompts, cfg, greedy=True, group_size=1)
-        correct += sum(rewards.correctness_reward(out["completions"], [r["answer"] for r in chunk],
-                                                  prompts=prompts, question=[r["question"] for r in chunk]))
+        correct += sum(
+            rewards.correctness_reward(
+                out["completions"],
+                [r["answer"] for r in chunk],
+                prompts=prompts,
+                question=[r["question"] for r in chunk],
+            )
+        )
     return correct / max(1, len(rows))

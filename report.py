@@ -4,7 +4,7 @@ report.py -- what a finished run shows: its curves, and a results table over sev
     plot_curves(metrics, evals, "runs/x/curves.png")           # reward, accuracy, KL, clip, length
     print(summarize(["runs/a", "runs/b", "runs/c"]))           # mean ± std over runs' summary.json
 
-`python train_gsm8k.py summarize DIR...` prints the table; the README's quick-start table comes from it.
+`python train_gsm8k.py summarize DIR...` prints the table; the README's quick-start table is one.
 """
 
 from __future__ import annotations
@@ -14,8 +14,12 @@ import math
 import statistics
 from pathlib import Path
 
+from flags import InputError
 
-def log_step(out: Path, bar, m: dict, samples: list[dict], steps: int, sample_every: int, group_size: int):
+
+def log_step(
+    out: Path, bar, m: dict, samples: list[dict], steps: int, sample_every: int, group_size: int
+):
     """metrics.jsonl every step; samples.jsonl every --sample-every steps; the bar and one line."""
     step = m["step"]
     with open(out / "metrics.jsonl", "a") as f:
@@ -46,8 +50,8 @@ def results_table(summary: dict, out: Path) -> str:
 
 
 def plot_curves(metrics: list[dict], evals: list[tuple[int, float]], path: Path):
-    """One PNG: reward, accuracy (training samples, and held-out greedy at each evaluation), KL to the
-    reference, clip ratio and completion length, against step."""
+    """One PNG: reward, accuracy (training samples, and held-out greedy at each evaluation), KL to
+    the reference, clip ratio and completion length, against step."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -58,8 +62,8 @@ def plot_curves(metrics: list[dict], evals: list[tuple[int, float]], path: Path)
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
     for ax, (title, keys) in zip(axes, panels):
         for k in keys:
-            # NOTE: under process supervision there is no rewards/correctness_reward; `reward` is the
-            #       final answer's step reward, i.e. the accuracy.
+            # NOTE: under process supervision there is no rewards/correctness_reward; `reward` is
+            #       the final answer's step reward, i.e. the accuracy.
             ys = [m.get(k, m["reward"] if k == "rewards/correctness_reward" else math.nan)
                   for m in metrics]
             ax.plot(steps, ys, label=k if len(keys) > 1 else "train samples")
@@ -76,12 +80,12 @@ def plot_curves(metrics: list[dict], evals: list[tuple[int, float]], path: Path)
 
 def summarize(run_dirs: list[str]) -> str:
     """A markdown table, mean ± std over runs, from each run's summary.json (the README's results).
-    Raises FileNotFoundError naming the first run that has no summary.json."""
+    Raises InputError naming the first run that has no summary.json."""
     runs = []
     for d in run_dirs:
         path = Path(d) / "summary.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist (did that run finish?)")
+            raise InputError(f"{path} does not exist (did that run finish?)")
         runs.append(json.loads(path.read_text()))
 
     def ms(key, scale=1.0, fmt="{:.1f}"):
@@ -93,13 +97,17 @@ def summarize(run_dirs: list[str]) -> str:
     each = ", ".join(f"{100 * r['accuracy_gain']:+.1f}" for r in runs)
     command = (ms("command_seconds", 1 / 60) if all("command_seconds" in r for r in runs)
                else "not recorded")
-    rows = [f"| runs (seeds) | {len(runs)} ({seeds}) |", "|---|---|",
-            f"| model | {runs[0]['model']} |", f"| held-out problems | {runs[0]['eval_size']} |",
-            f"| GRPO steps | {runs[0]['steps']} |",
-            f"| accuracy before GRPO (%) | {ms('accuracy_before', 100)} |",
-            f"| accuracy after GRPO (%) | {ms('accuracy_after', 100)} |",
-            f"| change (points) | {ms('accuracy_gain', 100)} (each run: {each}) |",
-            f"| GRPO wall time per run, evaluations included (min) | {ms('wall_seconds', 1 / 60)} |",
-            f"| whole command per run, model load or warm-start build included (min) | {command} |",
-            f"| device, torch threads | {runs[0]['device']}, {runs[0]['torch_threads']} |"]
+    rows = [
+        f"| runs (seeds) | {len(runs)} ({seeds}) |",
+        "|---|---|",
+        f"| model | {runs[0]['model']} |",
+        f"| held-out problems | {runs[0]['eval_size']} |",
+        f"| GRPO steps | {runs[0]['steps']} |",
+        f"| accuracy before GRPO (%) | {ms('accuracy_before', 100)} |",
+        f"| accuracy after GRPO (%) | {ms('accuracy_after', 100)} |",
+        f"| change (points) | {ms('accuracy_gain', 100)} (each run: {each}) |",
+        f"| GRPO wall time per run, evaluations included (min) | {ms('wall_seconds', 1 / 60)} |",
+        f"| whole command per run, model load or warm-start build included (min) | {command} |",
+        f"| device, torch threads | {runs[0]['device']}, {runs[0]['torch_threads']} |",
+    ]
     return "\n".join(rows)

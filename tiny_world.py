@@ -1,26 +1,31 @@
 """
-tiny_world.py -- the offline stand-in for "a pretrained LM plus GSM8K", small enough for a laptop CPU.
+tiny_world.py -- the offline stand-in for "a pretrained LM plus GSM8K", small enough for a laptop
+CPU.
 
-It is the R1 recipe in miniature: a supervised warm start that leaves a tiny model partly right, then
-GRPO (train_gsm8k.py) makes it better. Nothing here downloads anything.
+It is the R1 recipe in miniature: a supervised warm start that leaves a tiny model partly right,
+then GRPO (train_gsm8k.py) makes it better. Nothing here downloads anything.
 
-    char_tokenizer()     a real `PreTrainedTokenizerFast`, one token per character (save/from_pretrained work)
-    tiny_llama()         a randomly initialised `LlamaForCausalLM` (the warm start uses about 0.5 M parameters)
+    char_tokenizer()     a real `PreTrainedTokenizerFast`, one token per character
+    (save/from_pretrained work)
+    tiny_llama()         a randomly initialised `LlamaForCausalLM` (the warm start uses about 0.5 M
+    parameters)
     make_problems()      GSM8K-style word problems of 1-3 steps, solved in GSM8K's layout:
                              3*4=<<3*4=12>>12
                              12+12=<<12+12=24>>24
                              #### 24
-                         Train and test are disjoint by construction (a hash of the question picks the split).
-    warm_start()         supervised training on those solutions, stopped while the model is still partly
+                         Train and test are disjoint by construction (a hash of the question picks
+                         the split).
+    warm_start()         supervised training on those solutions, stopped while the model is still
+    partly
                          wrong; the checkpoint is cached on disk, built once and reused.
 
-Why the warm-start text has mistakes on purpose: real pretraining text is written by people who slip.
-Here the careless author of the warm-start solutions works every step out right, then often answers the
-wrong quantity: on 60% of multi-step problems the `####` line repeats the first step's result instead of
-the last one (answering an intermediate quantity is a classic GSM8K error). Imitation can only learn to copy
-that, so supervised training plateaus below what its own arithmetic could reach. GRPO's reward checks the
-final answer against the truth, so it can do better than its teacher. That is the point of RL after
-supervised training, shown at a size a laptop can run.
+Why the warm-start text has mistakes on purpose: real pretraining text is written by people who
+slip. Here the careless author of the warm-start solutions works every step out right, then often
+answers the wrong quantity: on 60% of multi-step problems the `####` line repeats the first step's
+result instead of the last one (answering an intermediate quantity is a classic GSM8K error).
+Imitation can only learn to copy that, so supervised training plateaus below what its own arithmetic
+could reach. GRPO's reward checks the final answer against the truth, so it can do better than its
+teacher. That is the point of RL after supervised training, shown at a size a laptop can run.
 """
 
 from __future__ import annotations
@@ -56,15 +61,18 @@ def char_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
     specials = [PAD, BOS, EOS, UNK]
     vocab = {tok: i for i, tok in enumerate(specials + sorted(set(chars)))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every char alone
-    tok.decoder = decoders.Fuse()                                                    # join with no spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS,
-                                   unk_token=UNK)
+    # every char alone
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()  # join with no spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK
+    )
 
 
 def tiny_llama(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, ffn: int | None = None,
                max_positions: int = 512, seed: int = 0) -> LlamaForCausalLM:
-    """A randomly initialised Llama with tied embeddings; hidden=128, layers=4 gives about 1 M parameters."""
+    """A randomly initialised Llama with tied embeddings; hidden=128, layers=4 gives about 1 M
+    parameters."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=ffn or 4 * hidden,
@@ -74,7 +82,8 @@ def tiny_llama(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, ffn
         eos_token_id=tokenizer.eos_token_id,
     )
     model = LlamaForCausalLM(config)
-    # NOTE: a fresh model's generation_config has no special ids; set them so generate() knows when to stop.
+    # NOTE: a fresh model's generation_config has no special ids; set them so generate() knows when
+    #       to stop.
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
@@ -85,19 +94,38 @@ def tiny_llama(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, ffn
 # GSM8K-style word problems
 # ----------------------------------------------------------------------------------------------
 NAMES = ["Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Ben", "Lily", "Omar", "Nina", "Raj"]
-ITEMS = ["apples", "pens", "cards", "books", "shells", "stamps", "marbles", "cookies", "stickers", "beads",
-         "eggs", "coins"]
-OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a // b}
+ITEMS = [
+    "apples",
+    "pens",
+    "cards",
+    "books",
+    "shells",
+    "stamps",
+    "marbles",
+    "cookies",
+    "stickers",
+    "beads",
+    "eggs",
+    "coins",
+]
+OPS = {
+    "+": lambda a, b: a + b,
+    "-": lambda a, b: a - b,
+    "*": lambda a, b: a * b,
+    "/": lambda a, b: a // b,
+}
 P = "prev"  # in a step, stands for the result of the step before
 
 
 def _templates(r: random.Random):
-    """One random problem: (question, steps). A step is (x, op, y); x or y may be P, the previous result."""
+    """One random problem: (question, steps). A step is (x, op, y); x or y may be P, the previous
+    result."""
     n, items = r.choice(NAMES), r.choice(ITEMS)
     m = r.choice([x for x in NAMES if x != n])
-    # WHY these small ranges: a ~0.5 M-parameter character model must learn the arithmetic in a few minutes
-    # of supervised steps, so operands stay small (products within 6 x 6). Measured with scratch runs: with
-    # operands up to 59 and the full times tables, 500 supervised steps got half the one-step problems wrong.
+    # WHY these small ranges: a ~0.5 M-parameter character model must learn the arithmetic in a few
+    # minutes of supervised steps, so operands stay small (products within 6 x 6). Measured with
+    # scratch runs: with operands up to 59 and the full times tables, 500 supervised steps got half
+    # the one-step problems wrong.
     a, d = r.randint(10, 29), r.randint(2, 9)
     b, c, e = r.randint(2, 6), r.randint(2, 6), r.randint(2, 6)
     k = r.randrange(14)
@@ -108,11 +136,16 @@ def _templates(r: random.Random):
     if k == 2:
         return f"{n} buys {b} boxes of {c} {items}. How many {items}?", [(b, "*", c)]
     if k == 3:
-        return f"{n} splits {b * c} {items} into {b} equal bags. How many per bag?", [(b * c, "/", b)]
+        return f"{n} splits {b * c} {items} into {b} equal bags. How many per bag?", [
+            (b * c, "/", b)
+        ]
     if k == 4:
         return f"There are {b} rows of {c} {items}. How many {items}?", [(b, "*", c)]
     if k == 5:
-        return f"{n} has {a} {items} and buys {b} packs of {c}. How many {items} now?", [(b, "*", c), (a, "+", P)]
+        return f"{n} has {a} {items} and buys {b} packs of {c}. How many {items} now?", [
+            (b, "*", c),
+            (a, "+", P),
+        ]
     if k == 6:
         return (f"{n} buys {b} boxes of {c} {items} and gives {e} to {m}. How many are left?",
                 [(b, "*", c), (P, "-", e)])
@@ -120,11 +153,17 @@ def _templates(r: random.Random):
         return (f"{n} has {a} {items}, finds {d} more and loses {e}. How many {items} now?",
                 [(a, "+", d), (P, "-", e)])
     if k == 8:
-        return (f"{n} has {c * e + d} {items}, gives away {d} and shares the rest among {c} friends. "
-                f"How many each?", [(c * e + d, "-", d), (P, "/", c)])
+        return (
+            f"{n} has {c * e + d} {items}, gives away {d} and shares the rest among {c} friends. "
+            f"How many each?",
+            [(c * e + d, "-", d), (P, "/", c)],
+        )
     if k == 9:
-        return (f"{n} reads {b} pages a day for {c} days. The book has {a + b * c} pages. How many are left?",
-                [(b, "*", c), (a + b * c, "-", P)])
+        return (
+            f"{n} reads {b} pages a day for {c} days. The book has {a + b * c} pages. "
+            "How many are left?",
+            [(b, "*", c), (a + b * c, "-", P)],
+        )
     if k == 10:
         return (f"{n} has {b} bags of {c} {items} and {m} has {e} bags. How many {items} in all?",
                 [(b, "+", e), (P, "*", c)])
@@ -133,20 +172,24 @@ def _templates(r: random.Random):
                 [(b, "*", c), (a, "+", P), (P, "-", d)])
     if k == 12:
         pay = (b + c) * e + r.randint(1, 30)
-        return (f"{items.capitalize()} cost ${e} each. {n} buys {b} and {m} buys {c}. They pay ${pay}. "
-                f"How much change?", [(b, "+", c), (P, "*", e), (pay, "-", P)])
+        return (
+            f"{items.capitalize()} cost ${e} each. {n} buys {b} and {m} buys {c}. They pay ${pay}. "
+            f"How much change?",
+            [(b, "+", c), (P, "*", e), (pay, "-", P)],
+        )
     spent = r.randint(1, b * c - 1)
     return (f"{n} earns ${b} an hour for {c} hours and spends ${spent}. How much is left?",
             [(b, "*", c), (P, "-", spent)])
 
 
 def solve(steps, slip_rate: float = 0.0, rng: random.Random | None = None) -> tuple[str, int]:
-    """GSM8K's layout for a chain of steps: one line `x op y=<<x op y=r>>r` per step, then `#### answer`.
+    """GSM8K's layout for a chain of steps: one line `x op y=<<x op y=r>>r` per step, then `####
+    answer`.
 
-    With slip_rate > 0, the careless author answers the wrong quantity: on a problem of two or more steps,
-    with that probability the `####` line repeats the FIRST step's result. Every step's arithmetic is still
-    right, so only the last line differs from the true solution. slip_rate = 0 gives the true answer.
-    Returns (solution text, the number on its `####` line).
+    With slip_rate > 0, the careless author answers the wrong quantity: on a problem of two or more
+    steps, with that probability the `####` line repeats the FIRST step's result. Every step's
+    arithmetic is still right, so only the last line differs from the true solution. slip_rate = 0
+    gives the true answer. Returns (solution text, the number on its `####` line).
     """
     lines, results = [], []
     for x, op, y in steps:
@@ -160,19 +203,29 @@ def solve(steps, slip_rate: float = 0.0, rng: random.Random | None = None) -> tu
 
 
 def split_of(question: str) -> str:
-    """'test' for one question in ten, by a hash of its text; so train and test can never share one."""
+    """'test' for one question in ten, by a hash of its text; so train and test can never share
+    one."""
     return "test" if int(hashlib.sha256(question.encode()).hexdigest(), 16) % 10 == 0 else "train"
 
 
-def make_problems(n: int, split: str = "train", seed: int = 0, slip_rate: float = 0.0) -> list[dict]:
-    """n distinct problems of one split, as GSM8K rows: {"question", "answer"} (answer = full solution).
+def make_problems(
+    n: int, split: str = "train", seed: int = 0, slip_rate: float = 0.0
+) -> list[dict]:
+    """n distinct problems of one split, as GSM8K rows: {"question", "answer"} (answer = full
+    solution).
 
-    slip_rate > 0 writes careless solutions (see solve); use it only for warm-start text, never as a gold.
+    slip_rate > 0 writes careless solutions (see solve); use it only for warm-start text, never as a
+    gold.
     """
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     # WHY two generators: the same seed gives the same questions whatever the slip rate.
-    r, slips, seen, rows = random.Random(f"{split}-{seed}"), random.Random(f"slips-{split}-{seed}"), set(), []
+    r, slips, seen, rows = (
+        random.Random(f"{split}-{seed}"),
+        random.Random(f"slips-{split}-{seed}"),
+        set(),
+        [],
+    )
     while len(rows) < n:
         question, steps = _templates(r)
         if question in seen or split_of(question) != split:
@@ -197,47 +250,57 @@ class WarmStartConfig:
     hidden: int = 128
     """Model width. 128 with 2 layers and FFN 512 gives about 0.54 M parameters."""
     layers: int = 2
-    """Transformer blocks. Measured with scratch runs: 4 layers learn a little more per step but take about
-    twice as long per step, in supervised and GRPO steps alike, which does not fit the 10-minute budget."""
+    """Transformer blocks. Measured with scratch runs: 4 layers learn a little more per step but
+    take about twice as long per step, in supervised and GRPO steps alike, which does not fit the
+    10-minute budget."""
     heads: int = 4
     """Attention heads."""
     steps: int = 800
-    """Supervised steps. Accuracy is still rising here (scratch runs, greedy on 200 held-out problems: 20% at
-    400 steps, 47% at 800); 800 is what fits the 10-minute budget with GRPO after it."""
+    """Supervised steps. Accuracy is still rising here (scratch runs, greedy on 200 held-out
+    problems: 20% at 400 steps, 47% at 800); 800 is what fits the 10-minute budget with GRPO after
+    it."""
     batch_size: int = 32
     """Problems per supervised step."""
     lr: float = 2e-3
     """Peak AdamW learning rate (linear warm-up over 5% of steps, cosine decay to 10%)."""
     slip_rate: float = 0.6
-    """Chance that a multi-step warm-start solution answers its first step's result (see solve). Our choice:
-    above 0.5, so imitation learns the wrong quantity as the likelier answer, while sampling still writes the
-    right one often enough for the verifier's reward to find it."""
+    """Chance that a multi-step warm-start solution answers its first step's result (see solve). Our
+    choice: above 0.5, so imitation learns the wrong quantity as the likelier answer, while sampling
+    still writes the right one often enough for the verifier's reward to find it."""
     seed: int = 0
     """Seed for the weights and for the order of training problems."""
 
 
 def default_cache_dir() -> Path:
-    """Where warm-start checkpoints live: $GRPO_TINY_CACHE, else .cache/ next to this file (git-ignored)."""
+    """Where warm-start checkpoints live: $GRPO_TINY_CACHE, else .cache/ next to this file
+    (git-ignored)."""
     return Path(os.environ.get("GRPO_TINY_CACHE", Path(__file__).resolve().parent / ".cache"))
 
 
 def supervised_loss(model, tokenizer, rows: list[dict]) -> torch.Tensor:
-    """Mean cross-entropy of the solution tokens (and the final EOS) given the question. Prompt tokens are masked."""
+    """Mean cross-entropy of the solution tokens (and the final EOS) given the question. Prompt
+    tokens are masked."""
     prompts = [prompt_of(r["question"]) for r in rows]
     texts = [p + r["answer"] + tokenizer.eos_token for p, r in zip(prompts, rows)]
-    enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+    enc = tokenizer(
+        texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+    )
     labels = enc["input_ids"].clone()                                              # (n, L)
     labels[enc["attention_mask"] == 0] = -100
     for i, p in enumerate(prompts):
-        labels[i, :len(p)] = -100  # WHY: one token per character, so the prompt is exactly len(p) tokens
+        # WHY: one token per character, so the prompt is exactly len(p) tokens
+        labels[i, :len(p)] = -100
     return model(**enc, labels=labels).loss
 
 
-def warm_start(cfg: WarmStartConfig = WarmStartConfig(), cache_dir: Path | None = None, log=print) -> Path:
+def warm_start(
+    cfg: WarmStartConfig = WarmStartConfig(), cache_dir: Path | None = None, log=print
+) -> Path:
     """Train (or reuse) the supervised warm start; return its `save_pretrained` directory.
 
-    The directory name is a hash of `cfg`, so each setting is built once. It is written to a temporary
-    directory and renamed into place, so an interrupted build never leaves a half-written checkpoint.
+    The directory name is a hash of `cfg`, so each setting is built once. It is written to a
+    temporary directory and renamed into place, so an interrupted build never leaves a half-written
+    checkpoint.
     """
     cache_dir = Path(cache_dir or default_cache_dir())
     key = hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:12]
@@ -246,19 +309,25 @@ def warm_start(cfg: WarmStartConfig = WarmStartConfig(), cache_dir: Path | None 
         return out
 
     tokenizer = char_tokenizer()
-    model = tiny_llama(tokenizer, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads, seed=cfg.seed)
+    model = tiny_llama(
+        tokenizer, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads, seed=cfg.seed
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     warmup = max(1, cfg.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg.steps)))))
-    rows = make_problems(cfg.steps * cfg.batch_size, "train", seed=cfg.seed, slip_rate=cfg.slip_rate)
+    rows = make_problems(
+        cfg.steps * cfg.batch_size, "train", seed=cfg.seed, slip_rate=cfg.slip_rate
+    )
     n_params = sum(p.numel() for p in model.parameters())
     log(f"warm start: {n_params / 1e6:.2f} M parameters, {cfg.steps} supervised steps -> {out}")
     t0 = time.perf_counter()
     model.train()
     bar = tqdm(range(cfg.steps), desc="warm start", unit="step", leave=False)
     for step in bar:
-        loss = supervised_loss(model, tokenizer, rows[step * cfg.batch_size:(step + 1) * cfg.batch_size])
+        loss = supervised_loss(
+            model, tokenizer, rows[step * cfg.batch_size : (step + 1) * cfg.batch_size]
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -273,11 +342,17 @@ def warm_start(cfg: WarmStartConfig = WarmStartConfig(), cache_dir: Path | None 
     return out
 
 
-def more_supervised_steps(model, tokenizer, seconds: float, cfg: WarmStartConfig = WarmStartConfig(),
-                          lr: float | None = None, seed: int = 1) -> int:
-    """Keep training `model` on the warm start's (slipped) text for `seconds` of wall time; return the number
-    of steps taken. The control for "what RL adds beyond imitation": the same time spent imitating instead.
-    lr defaults to where the warm start's schedule ended (10% of its peak)."""
+def more_supervised_steps(
+    model,
+    tokenizer,
+    seconds: float,
+    cfg: WarmStartConfig = WarmStartConfig(),
+    lr: float | None = None,
+    seed: int = 1,
+) -> int:
+    """Keep training `model` on the warm start's (slipped) text for `seconds` of wall time; return
+    the number of steps taken. The control for "what RL adds beyond imitation": the same time spent
+    imitating instead. lr defaults to where the warm start's schedule ended (10% of its peak)."""
     lr = cfg.lr * 0.1 if lr is None else lr
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     # WHY a different seed: fresh problems the warm start never saw, as GRPO's training prompts are.
@@ -286,8 +361,12 @@ def more_supervised_steps(model, tokenizer, seconds: float, cfg: WarmStartConfig
     start, step = time.perf_counter(), 0
     while time.perf_counter() - start < seconds:
         if (step + 1) * cfg.batch_size > len(rows):
-            rows += make_problems(64 * cfg.batch_size, "train", seed=seed + 1000 + step, slip_rate=cfg.slip_rate)
-        loss = supervised_loss(model, tokenizer, rows[step * cfg.batch_size:(step + 1) * cfg.batch_size])
+            rows += make_problems(
+                64 * cfg.batch_size, "train", seed=seed + 1000 + step, slip_rate=cfg.slip_rate
+            )
+        loss = supervised_loss(
+            model, tokenizer, rows[step * cfg.batch_size : (step + 1) * cfg.batch_size]
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

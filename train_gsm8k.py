@@ -1,17 +1,17 @@
 """
-train_gsm8k.py -- train a model with GRPO (grpo.py) and show, on held-out problems, that it got better.
+train_gsm8k.py -- train a model with GRPO (grpo.py); show on held-out problems that it got better.
 
-    python train_gsm8k.py                                     # tiny world, CPU, no network
-    python train_gsm8k.py --preset qwen2.5-0.5b               # Qwen2.5-0.5B-Instruct on GSM8K, one GPU
-    python train_gsm8k.py --preset qwen2.5-0.5b --data ../shared/data/gsm8k   # GSM8K from local JSONL
-    python train_gsm8k.py --help                              # every flag, its default, each preset's
-    python train_gsm8k.py --resume runs/tiny-20261202-101500  # continue a killed run
-    python train_gsm8k.py summarize runs/a runs/b runs/c      # mean ± std table over finished runs
+    python train_gsm8k.py                               # tiny world, CPU, no network
+    python train_gsm8k.py --preset qwen2.5-0.5b         # Qwen2.5-0.5B-Instruct on GSM8K, one GPU
+    python train_gsm8k.py --preset qwen2.5-0.5b --data ../shared/data/gsm8k    # GSM8K, local JSONL
+    python train_gsm8k.py --help                        # every flag, its default, each preset's
+    python train_gsm8k.py --resume runs/tiny-20261202-101500    # continue a killed run
+    python train_gsm8k.py summarize runs/a runs/b runs/c        # mean ± std table over runs
 
 The recipe, top to bottom: presets and config -> data -> model -> loop -> evaluation -> save. It
 measures greedy accuracy on held-out problems, runs --steps GRPO steps, measures again, and writes
-summary.json, metrics.jsonl (every metric, every step), curves.png, samples.jsonl, final/ (the model)
-and checkpoint-<step>/ to --out. The pieces live beside it: gsm8k.py (data, prompts, rewards,
+summary.json, metrics.jsonl (every metric, every step), curves.png, samples.jsonl, final/ (the
+model) and checkpoint-<step>/ to --out. The pieces live beside it: gsm8k.py (data, prompts, rewards,
 evaluation), checkpoint.py (crash-safe saves, resume), report.py (logs, curves, tables), flags.py
 (the flags, from the config dataclasses) and tiny_world.py (the offline model and problems, whose
 supervised warm start is built on the first run and cached).
@@ -77,11 +77,11 @@ class TrainConfig:
     sample_every: int = 10
     """Every this many steps, write a few completions with their rewards to samples.jsonl."""
     save_every: int = 20
-    """Checkpoint (model, optimizer, RNG, step, evaluations) every this many steps and at the end."""
+    """Checkpoint (model, AdamW, RNGs, step, evaluations) every this many steps and at the end."""
     resume: str = ""
     """A previous run's --out directory: continue from its last checkpoint, with its settings."""
     max_bad_steps: int = 3
-    """Stop after this many steps in a row whose loss or gradient was not finite (each is skipped)."""
+    """Stop after this many steps in a row with a non-finite loss or gradient (each is skipped)."""
     out: str = ""
     """Output directory. Empty: runs/<preset>-<date>-<time>."""
 
@@ -97,25 +97,26 @@ class TrainConfig:
 # Each preset: (TrainConfig overrides, GRPOConfig overrides), each override with its reason.
 PRESETS = {
     "tiny": (
-        dict(model="", data="tiny", device="cpu"),          # everything offline, built by tiny_world.py
-        dict(group_size=8,                                  # paper: 64; 8 x 16 prompts is one CPU batch
-             lr=1e-4,                                       # probe: 3e-4 and above drifted, lost accuracy
-             max_new_tokens=96,                             # the longest tiny-world solution: 66 chars
-             micro_batch_size=128),                         # the whole step in one pass; it fits easily
+        dict(model="", data="tiny", device="cpu"),     # all offline, built by tiny_world.py
+        dict(group_size=8,                             # paper: 64; 8 x 16 prompts is one CPU batch
+             lr=1e-4,                                  # probe: 3e-4 and up drifted, lost accuracy
+             max_new_tokens=96,                        # the longest tiny-world solution: 66 chars
+             micro_batch_size=128),                    # the whole step in one pass; it fits
     ),
     "qwen2.5-0.5b": (
         dict(model="Qwen/Qwen2.5-0.5B-Instruct", data="openai/gsm8k",
              prompts_per_step=8, steps=200, eval_batch_size=64,
-             bf16=True, gradient_checkpointing=True,         # fits a 24 GB card with fp32 AdamW state
-             save_every=50,                                  # a checkpoint is ~6 GB (weights + AdamW)
-             system_prompt=gsm8k.GSM8K_SYSTEM_PROMPT),       # ask for GSM8K's '####' layout
-        dict(group_size=8, lr=1e-6,                          # paper §4.2: lr 1e-6
-             max_new_tokens=512,                             # long answers; a short cap zeroes reward
-             micro_batch_size=8),                            # 8 sequences of up to ~700 tokens a pass
+             bf16=True, gradient_checkpointing=True,   # fits a 24 GB card, fp32 AdamW state
+             save_every=50,                            # a checkpoint is ~6 GB (weights + AdamW)
+             system_prompt=gsm8k.GSM8K_SYSTEM_PROMPT), # ask for GSM8K's '####' layout
+        dict(group_size=8, lr=1e-6,                    # paper §4.2: lr 1e-6
+             max_new_tokens=512,                       # long answers; a short cap zeroes reward
+             micro_batch_size=8),                      # 8 sequences of up to ~700 tokens a pass
     ),
 }
 # With --resume, the run keeps the settings it was started with; only these may change (none alters
 # the math).
+LOGS = ("metrics.jsonl", "samples.jsonl")  # cut back to the checkpoint's step on --resume
 RESUME_MAY_CHANGE = {"resume", "steps", "save_every", "sample_every", "threads", "device",
                      "eval_batch_size", "max_bad_steps"}
 
@@ -123,7 +124,7 @@ RESUME_MAY_CHANGE = {"resume", "steps", "save_every", "sample_every", "threads",
 def parse_args(argv=None) -> tuple[TrainConfig, grpo.GRPOConfig]:
     """Flags override the preset, which overrides the dataclass defaults. --resume DIR: DIR's saved
     settings, of which only RESUME_MAY_CHANGE may be changed."""
-    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # WHY: defaults hang on these
+    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # WHY: defaults hang on it
     first.add_argument("--preset", default=TrainConfig.preset)
     first.add_argument("--resume", default="")
     known = first.parse_known_args(argv)[0]
@@ -147,7 +148,7 @@ def parse_args(argv=None) -> tuple[TrainConfig, grpo.GRPOConfig]:
 
 
 def load_model(tcfg: TrainConfig, log=print):
-    """(policy, tokenizer, model name): --model (a hub id or a directory), else the tiny warm start."""
+    """(policy, tokenizer, model name): --model (a hub id or a directory), else the tiny world's."""
     if tcfg.model:
         return (*checkpoint.load_pretrained(tcfg.model), tcfg.model)
     import tiny_world
@@ -184,7 +185,7 @@ def main(argv=None) -> dict:
     # PAPER: the reference is the model GRPO starts from; a resumed run rebuilds it the same way.
     ref = grpo.make_reference(policy) if gcfg.beta != 0 else None
     if ref is not None and tcfg.bf16:
-        ref = ref.to(torch.bfloat16)  # WHY (memory): the frozen reference needs no fp32 master weights
+        ref = ref.to(torch.bfloat16)  # WHY (memory): a frozen reference needs no fp32 master copy
     # WHY seed here, after loading: building the tiny warm start reseeds torch, so seeding earlier
     #     would make the first run (which builds it) differ from later ones (which load it).
     torch.manual_seed(tcfg.seed)
@@ -192,23 +193,24 @@ def main(argv=None) -> dict:
     out = Path(tcfg.resume or tcfg.out or f"runs/{tcfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     if tcfg.resume:
         del policy
-        policy, optimizer, state = checkpoint.resume(out, device, gcfg, ["metrics.jsonl", "samples.jsonl"])
+        policy, optimizer, state = checkpoint.resume(out, device, gcfg, LOGS)
         tqdm.write(f"resuming {out} from step {state['step']} of {tcfg.steps}")
     else:
         optimizer = grpo.make_optimizer(policy, gcfg)
-        state = {"step": 0, "evals": [], "wall_seconds": 0.0, "bad_in_a_row": 0, "skipped_updates": 0,
-                 "model": model_name, "refill_cursor": tcfg.steps * tcfg.prompts_per_step}
+        state = {"step": 0, "evals": [], "wall_seconds": 0.0, "bad_in_a_row": 0,
+                 "skipped_updates": 0, "model": model_name,
+                 "refill_cursor": tcfg.steps * tcfg.prompts_per_step}
         out.mkdir(parents=True, exist_ok=True)
-        for name in ("metrics.jsonl", "samples.jsonl"):
+        for name in LOGS:
             (out / name).write_text("")
     state.update(train_config=dataclasses.asdict(tcfg), grpo_config=dataclasses.asdict(gcfg))
     if tcfg.gradient_checkpointing:
-        # NOTE: transformers 5 renamed it activation_checkpointing_enable; 4.x has the old name only.
+        # NOTE: transformers 5 renamed it activation_checkpointing_enable; 4.x has the old name.
         (getattr(policy, "activation_checkpointing_enable", None)
          or policy.gradient_checkpointing_enable)()
         policy.config.use_cache = False
     policy.train()
-    autocast = torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=tcfg.bf16)
+    autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=tcfg.bf16)
     n_params = sum(p.numel() for p in policy.parameters()) / 1e6
     tqdm.write(f"model: {model_name} ({n_params:.2f} M parameters) on {device}; data: {tcfg.data} "
                f"({len(train_rows)} train, {len(eval_rows)} held out); out: {out}")
@@ -224,9 +226,9 @@ def main(argv=None) -> dict:
         tqdm.write(f"held-out greedy accuracy before GRPO: {state['evals'][0][1]:.3f} "
                    f"on {len(eval_rows)} problems")
 
-    # WHY: tiny-world problems come out of the generator in random order, --steps x --prompts-per-step
-    #      of them; keeping that order means a run resumed with more --steps sees the same problems
-    #      first. A file's rows are shuffled with the seed.
+    # WHY: tiny-world problems come out of the generator in random order, --steps x
+    #      --prompts-per-step of them; keeping that order means a run resumed with more --steps sees
+    #      the same problems first. A file's rows are shuffled with the seed.
     order = (list(range(len(train_rows))) if tcfg.data == "tiny"
              else random.Random(tcfg.seed).sample(range(len(train_rows)), len(train_rows)))
     metrics_log = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -236,7 +238,7 @@ def main(argv=None) -> dict:
                 gsm8k.columns_of(rows))
 
     def more_prompts(k):
-        """Dynamic sampling: k fresh prompts, from rows no regular step uses (cycling at the end)."""
+        """Dynamic sampling: k fresh prompts from rows no regular step uses (cycling at the end)."""
         picked = [train_rows[order[(state["refill_cursor"] + i) % len(order)]] for i in range(k)]
         state["refill_cursor"] += k
         return prompts_and_columns(picked)
@@ -270,7 +272,7 @@ def main(argv=None) -> dict:
         "accuracy_gain": acc_after - acc_before, "steps": tcfg.steps, "wall_seconds": wall,
         "model": state["model"], "data": tcfg.data, "eval_size": len(eval_rows), "device": device,
         "torch_threads": torch.get_num_threads(), "skipped_updates": state["skipped_updates"],
-        "command_seconds": time.perf_counter() - t_command,  # this process (resumed: since resuming)
+        "command_seconds": time.perf_counter() - t_command,  # this process (since resuming)
         "train_config": dataclasses.asdict(tcfg), "grpo_config": dataclasses.asdict(gcfg),
     }
     checkpoint.write_json_atomic(out / "summary.json", summary)
@@ -279,19 +281,16 @@ def main(argv=None) -> dict:
 
 
 def cli(argv=None) -> int:
-    """The command line: main, or `summarize DIR...`; bad input is one line on stderr, exit code 2."""
+    """The command line: main, or `summarize DIR...`; bad input: one line on stderr, exit code 2."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv[:1] == ["summarize"]:
             print(report.summarize(argv[1:]))
         else:
             main(argv)
-    except (InputError, FileNotFoundError) as e:
+    except (InputError, TrainingStopped) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    except TrainingStopped as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 1 if isinstance(e, TrainingStopped) else 2
     except SystemExit as e:  # argparse: --help (0) or a bad flag (2), already printed
         return e.code if isinstance(e.code, int) else 2
     return 0

@@ -1,8 +1,9 @@
-"""ablation.py end to end on tiny settings: every variant (and the supervised control) runs for 2 seeds,
-and the table and plot come out. The full-size numbers in the README come from the same script.
+"""ablation.py end to end on tiny settings: every variant (and the supervised control) runs for 2
+seeds, and the table and plot come out. The full-size numbers in the README come from the same
+script.
 
-Needs: torch, transformers, matplotlib. CPU, offline; the warm start (5 supervised steps) goes to a temporary
-cache. About a minute.
+Needs: torch, transformers, matplotlib. CPU, offline; the warm start (5 supervised steps) goes to a
+temporary cache. About a minute.
 """
 
 import json
@@ -17,9 +18,30 @@ def test_every_variant_runs_and_the_table_and_plot_come_out(tmp_path, monkeypatc
     monkeypatch.setenv("GRPO_TINY_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "ablation"
-    stats = ablation.main(["--seeds", "0", "1", "--steps", "2", "--eval-size", "4", "--jobs", "2", "--out", str(out),
-                           "--", "--warm-start-steps", "5", "--prompts-per-step", "2", "--group-size", "4",
-                           "--max-new-tokens", "16"])
+    stats = ablation.main(
+        [
+            "--seeds",
+            "0",
+            "1",
+            "--steps",
+            "2",
+            "--eval-size",
+            "4",
+            "--jobs",
+            "2",
+            "--out",
+            str(out),
+            "--",
+            "--warm-start-steps",
+            "5",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--max-new-tokens",
+            "16",
+        ]
+    )
     assert list(stats) == list(ablation.VARIANTS)
     table = (out / "ablation.md").read_text()
     for name in ablation.VARIANTS:
@@ -34,7 +56,27 @@ def test_every_variant_runs_and_the_table_and_plot_come_out(tmp_path, monkeypatc
         assert control["supervised_steps"] >= 1 and control["wall_seconds"] >= grpo_time
     # A rerun keeps finished runs instead of training them again.
     stamp = (out / "grpo-seed0" / "summary.json").stat().st_mtime_ns
-    ablation.main(["--variants", "grpo", "--seeds", "0", "--steps", "2", "--eval-size", "4", "--out", str(out),
-                   "--", "--warm-start-steps", "5", "--prompts-per-step", "2", "--group-size", "4",
-                   "--max-new-tokens", "16"])
+    ablation.main(
+        [
+            "--variants",
+            "grpo",
+            "--seeds",
+            "0",
+            "--steps",
+            "2",
+            "--eval-size",
+            "4",
+            "--out",
+            str(out),
+            "--",
+            "--warm-start-steps",
+            "5",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--max-new-tokens",
+            "16",
+        ]
+    )
     assert (out / "grpo-seed0" / "summary.json").stat().st_mtime_ns == stamp

@@ -1,6 +1,8 @@
-"""Pins every equation in grpo.py with hand-worked numbers, and checks fast code against slow, obvious code.
+"""Pins every equation in grpo.py with hand-worked numbers, and checks fast code against slow,
+obvious code.
 
-Needs: torch and transformers only (the model is a tiny random Llama built in memory). CPU, offline, ~15 s.
+Needs: torch and transformers only (the model is a tiny random Llama built in memory). CPU, offline,
+~15 s.
 """
 
 import copy
@@ -28,19 +30,24 @@ def test_advantages_hand_worked():
 
 def test_advantages_equal_rewards_are_zero_not_nan():
     """All-equal groups: centred rewards are exactly 0, std is 0, so A = 0 / (0 + 1e-4) = 0."""
-    A = grpo.group_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.3, 0.3, 0.3]), group_size=3)
+    A = grpo.group_advantages(
+        torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.3, 0.3, 0.3]), group_size=3
+    )
     assert torch.isfinite(A).all()
     assert A.tolist() == [0.0] * 9
 
 
 def test_advantages_without_std_scaling_is_mean_centring():
     """Dr. GRPO: [1, 0, 0, 1] and [2, 0, 0, 0] -> minus their means 0.5 and 0.5."""
-    A = grpo.group_advantages(torch.tensor([1.0, 0, 0, 1, 2, 0, 0, 0]), group_size=4, scale_rewards=False)
+    A = grpo.group_advantages(
+        torch.tensor([1.0, 0, 0, 1, 2, 0, 0, 0]), group_size=4, scale_rewards=False
+    )
     assert A.tolist() == [0.5, -0.5, -0.5, 0.5, 1.5, -0.5, -0.5, -0.5]
 
 
 def test_advantages_match_a_slow_loop():
-    """Vectorised group statistics equal a plain Python loop with statistics.stdev (Bessel-corrected)."""
+    """Vectorised group statistics equal a plain Python loop with statistics.stdev
+    (Bessel-corrected)."""
     g = torch.Generator().manual_seed(0)
     rewards = torch.rand(6 * 5, generator=g).round(decimals=1)
     fast = grpo.group_advantages(rewards, group_size=5, eps=1e-4)
@@ -59,12 +66,15 @@ def test_advantages_reject_bad_shapes():
         grpo.group_advantages(torch.zeros(6), group_size=1)
 
 
-# --- 5. ratio and clip ------------------------------------------------------------------------------
+# --- 5. ratio and clip
+# ------------------------------------------------------------------------------
 def one_token_loss(ratio, A, **kw):
-    """grpo_loss on a single token whose ratio π_θ/π_old is `ratio`; returns (loss, d loss / d logp, stats)."""
+    """grpo_loss on a single token whose ratio π_θ/π_old is `ratio`; returns (loss, d loss / d logp,
+    stats)."""
     logp = torch.tensor([[math.log(ratio)]], requires_grad=True)
-    loss, stats = grpo.grpo_loss(logp, torch.zeros(1, 1), None, torch.tensor([float(A)]), torch.ones(1, 1),
-                                 beta=0.0, **kw)
+    loss, stats = grpo.grpo_loss(
+        logp, torch.zeros(1, 1), None, torch.tensor([float(A)]), torch.ones(1, 1), beta=0.0, **kw
+    )
     loss.backward()
     return loss.item(), logp.grad.item(), stats
 
@@ -107,13 +117,18 @@ def test_clip_eps_high():
     assert (loss, grad) == (pytest.approx(0.8, abs=1e-6), 0.0)
 
 
-# --- 6. k3 KL ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("log_ref_ratio, expected", [(LN2, 2 - LN2 - 1), (-LN2, 0.5 + LN2 - 1), (0.0, 0.0)])
+# --- 6. k3 KL
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "log_ref_ratio, expected", [(LN2, 2 - LN2 - 1), (-LN2, 0.5 + LN2 - 1), (0.0, 0.0)]
+)
 def test_k3_kl_hand_worked(log_ref_ratio, expected):
     """k3 = π_ref/π_θ - log(π_ref/π_θ) - 1. At log-ratio ln 2: 2 - 0.6931 - 1 = 0.3069;
     at -ln 2: 0.5 + 0.6931 - 1 = 0.1931; at 0: 0. With A = 0 and β = 1 the loss is exactly β·k3."""
     logp = torch.zeros(1, 1)
-    loss, stats = grpo.grpo_loss(logp, logp, logp + log_ref_ratio, torch.zeros(1), torch.ones(1, 1), beta=1.0)
+    loss, stats = grpo.grpo_loss(
+        logp, logp, logp + log_ref_ratio, torch.zeros(1), torch.ones(1, 1), beta=1.0
+    )
     assert stats["kl"] == pytest.approx(expected, abs=1e-6)
     assert loss.item() == pytest.approx(expected, abs=1e-6)
     assert round(expected, 4) in (0.3069, 0.1931, 0.0)
@@ -123,21 +138,25 @@ def test_kl_gradient_pulls_toward_reference():
     """d k3 / d logp = -exp(logp_ref - logp) + 1. At logp_ref - logp = ln 2 that is -1: raising logp
     toward logp_ref lowers the loss, so gradient descent moves π_θ toward π_ref."""
     logp = torch.zeros(1, 1, requires_grad=True)
-    loss, _ = grpo.grpo_loss(logp, logp.detach(), torch.full((1, 1), LN2), torch.zeros(1), torch.ones(1, 1),
-                             beta=0.5)
+    loss, _ = grpo.grpo_loss(
+        logp, logp.detach(), torch.full((1, 1), LN2), torch.zeros(1), torch.ones(1, 1), beta=0.5
+    )
     loss.backward()
     assert logp.grad.item() == pytest.approx(0.5 * -1.0, abs=1e-6)
 
 
 def test_beta_zero_needs_no_reference_and_beta_nonzero_does():
     logp = torch.zeros(2, 3)
-    loss, stats = grpo.grpo_loss(logp, logp, None, torch.tensor([1.0, -1.0]), torch.ones(2, 3), beta=0.0)
+    loss, stats = grpo.grpo_loss(
+        logp, logp, None, torch.tensor([1.0, -1.0]), torch.ones(2, 3), beta=0.0
+    )
     assert stats["kl"] == 0.0
     with pytest.raises(ValueError, match="logp_ref is required"):
         grpo.grpo_loss(logp, logp, None, torch.tensor([1.0, -1.0]), torch.ones(2, 3), beta=0.04)
 
 
-# --- 7. aggregation ---------------------------------------------------------------------------------
+# --- 7. aggregation
+# ---------------------------------------------------------------------------------
 LENGTHS_1_AND_3 = dict(
     logp=torch.zeros(2, 4), logp_old=torch.zeros(2, 4), logp_ref=None,
     advantages=torch.tensor([1.0, -1.0]),
@@ -146,8 +165,9 @@ LENGTHS_1_AND_3 = dict(
 
 
 @pytest.mark.parametrize("loss_type, expected_loss, expected_grads", [
-    # per-token losses: sequence 1 (length 1, A=+1) has -1; sequence 2 (length 3, A=-1) has +1 per token.
-    # 'grpo':    ( -1/1 + 3/3 ) / 2 = 0;      d/dlogp: seq1 -1/(1·2) = -0.5, seq2 +1/(3·2) = +0.1667
+    # per-token losses: sequence 1 (length 1, A=+1) has -1; sequence 2 (length 3, A=-1) has +1 per
+    # token. 'grpo':    ( -1/1 + 3/3 ) / 2 = 0;      d/dlogp: seq1 -1/(1·2) = -0.5, seq2 +1/(3·2) =
+    # +0.1667
     ("grpo", 0.0, [-0.5, 1 / 6]),
     # 'token':   ( -1 + 3 ) / 4 tokens = 0.5; d/dlogp: -1/4 and +1/4
     ("token", 0.5, [-0.25, 0.25]),
@@ -155,7 +175,8 @@ LENGTHS_1_AND_3 = dict(
     ("dr_grpo", 0.25, [-0.125, 0.125]),
 ])
 def test_loss_types_on_lengths_1_and_3(loss_type, expected_loss, expected_grads):
-    """Per-sequence and per-token averaging differ when lengths differ; worked numbers in the parameters."""
+    """Per-sequence and per-token averaging differ when lengths differ; worked numbers in the
+    parameters."""
     logp = LENGTHS_1_AND_3["logp"].clone().requires_grad_(True)
     kw = {**LENGTHS_1_AND_3, "logp": logp}
     loss, _ = grpo.grpo_loss(**kw, beta=0.0, loss_type=loss_type, max_completion_length=4)
@@ -163,7 +184,8 @@ def test_loss_types_on_lengths_1_and_3(loss_type, expected_loss, expected_grads)
     assert loss.item() == pytest.approx(expected_loss, abs=1e-6)
     assert logp.grad[0, 0].item() == pytest.approx(expected_grads[0], abs=1e-6)
     assert logp.grad[1, :3].tolist() == pytest.approx([expected_grads[1]] * 3, abs=1e-6)
-    assert logp.grad[0, 1:].abs().sum() == 0 and logp.grad[1, 3] == 0  # masked tokens get no gradient
+    # masked tokens get no gradient
+    assert logp.grad[0, 1:].abs().sum() == 0 and logp.grad[1, 3] == 0
 
 
 def test_unknown_loss_type_is_rejected():
@@ -172,9 +194,10 @@ def test_unknown_loss_type_is_rejected():
 
 
 def test_mu_1_loss_is_zero_but_gradient_is_reinforce_with_group_baseline():
-    """With μ = 1, logp_old = logp.detach(): every ratio is 1 and Σ_i A_i = 0 within each group, so the
-    'grpo' policy loss is -1/N Σ_i A_i · (|o_i|/|o_i|) = 0. Its gradient is not 0: it is
-    -1/N Σ_i A_i / |o_i| Σ_t ∇ log π(o_it), the REINFORCE gradient with the group mean as baseline."""
+    """With μ = 1, logp_old = logp.detach(): every ratio is 1 and Σ_i A_i = 0 within each group, so
+    the 'grpo' policy loss is -1/N Σ_i A_i · (|o_i|/|o_i|) = 0. Its gradient is not 0: it is
+    -1/N Σ_i A_i / |o_i| Σ_t ∇ log π(o_it), the REINFORCE gradient with the group mean as
+    baseline."""
     g = torch.Generator().manual_seed(0)
     N, T, V, G = 8, 5, 7, 4
     logits = torch.randn(N, T, V, generator=g, requires_grad=True)
@@ -188,13 +211,14 @@ def test_mu_1_loss_is_zero_but_gradient_is_reinforce_with_group_baseline():
     (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
     assert abs(loss.item()) < 1e-6
 
-    reinforce = -(A[:, None] * logp * mask).sum(1).div(mask.sum(1)).mean()   # the textbook estimator
+    reinforce = -(A[:, None] * logp * mask).sum(1).div(mask.sum(1)).mean()  # the textbook estimator
     (expected,) = torch.autograd.grad(reinforce, logits)
     assert grad.abs().sum() > 0.1
     torch.testing.assert_close(grad, expected)
 
 
-# --- 1 & 4. sampling and log-probs on a real (tiny) model ---------------------------------------------
+# --- 1 & 4. sampling and log-probs on a real (tiny) model
+# ---------------------------------------------
 @pytest.fixture(scope="module")
 def tiny():
     tok = tiny_world.char_tokenizer()
@@ -202,46 +226,74 @@ def tiny():
 
 
 def test_completion_mask_includes_first_eos_only():
-    """EOS id 2. Row 1 stops at position 1 (EOS kept); row 2 never stops (all 4 kept); row 3 stops at 0."""
+    """EOS id 2. Row 1 stops at position 1 (EOS kept); row 2 never stops (all 4 kept); row 3 stops
+    at 0."""
     ids = torch.tensor([[5, 2, 7, 2], [5, 5, 5, 5], [2, 0, 0, 0]])
     mask = grpo.completion_mask_from_ids(ids, [2])
     assert mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
 
 
 def test_token_logprobs_match_full_log_softmax(tiny):
-    """gather + logsumexp on the completion slice equals log_softmax over the whole sequence, and the
-    entropy equals torch.distributions.Categorical's."""
+    """gather + logsumexp on the completion slice equals log_softmax over the whole sequence, and
+    the entropy equals torch.distributions.Categorical's."""
     tok, model = tiny
     g = torch.Generator().manual_seed(1)
-    prompt_ids, completion_ids = torch.randint(4, 100, (3, 5), generator=g), torch.randint(4, 100, (3, 6), generator=g)
+    prompt_ids, completion_ids = (
+        torch.randint(4, 100, (3, 5), generator=g),
+        torch.randint(4, 100, (3, 6), generator=g),
+    )
     prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
     completion_mask = torch.ones(3, 6, dtype=torch.long)
-    logp, entropy = grpo.token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                        temperature=0.7, with_entropy=True)
+    logp, entropy = grpo.token_logprobs(
+        model,
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
+        temperature=0.7,
+        with_entropy=True,
+    )
     # slow, obvious: the whole (n, P+T, V) log_softmax, then pick each completion token
     ids = torch.cat([prompt_ids, completion_ids], 1)
     am = torch.cat([prompt_mask, completion_mask], 1)
-    logits = model(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(1) - 1).clamp(min=0)).logits / 0.7
+    logits = (
+        model(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(1) - 1).clamp(min=0)).logits
+        / 0.7
+    )
     full = torch.log_softmax(logits, -1)[:, 4:-1]
     expected = full.gather(-1, completion_ids[..., None]).squeeze(-1)
     torch.testing.assert_close(logp, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(entropy, torch.distributions.Categorical(logits=logits[:, 4:-1]).entropy(),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        entropy,
+        torch.distributions.Categorical(logits=logits[:, 4:-1]).entropy(),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def tiny_gpt2(tok):
-    """GPT-2 learns ABSOLUTE position embeddings, so left padding shifts its positions unless handled."""
+    """GPT-2 learns ABSOLUTE position embeddings, so left padding shifts its positions unless
+    handled."""
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=64,
-                                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id))
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=len(tok),
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            n_positions=64,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    )
     grpo.disable_dropout(model)  # GPT-2 has dropout 0.1; with it on, no two forward passes agree
     return model
 
 
 def model_for(arch, tiny):
-    """The tiny Llama (SDPA: sample_completions hands it a ready 4D mask), the same weights on eager attention
-    (the plain 2D mask path), or a tiny GPT-2."""
+    """The tiny Llama (SDPA: sample_completions hands it a ready 4D mask), the same weights on eager
+    attention (the plain 2D mask path), or a tiny GPT-2."""
     tok, model = tiny
     if arch == "llama-eager":
         model = copy.deepcopy(model)
@@ -252,7 +304,8 @@ def model_for(arch, tiny):
 
 
 def test_ready_4d_mask_only_for_full_sdpa_attention(tiny):
-    """The 4D-mask shortcut is for SDPA with full attention only; a sliding window or eager kernel opts out."""
+    """The 4D-mask shortcut is for SDPA with full attention only; a sliding window or eager kernel
+    opts out."""
     _, model = tiny
     assert engine.sdpa_full_attention(model)
     sliding = copy.deepcopy(model)
@@ -265,53 +318,81 @@ def test_ready_4d_mask_only_for_full_sdpa_attention(tiny):
 
 @pytest.mark.parametrize("arch", ["llama", "llama-eager", "gpt2"])
 def test_each_decode_step_sees_the_logits_of_a_full_forward(tiny, arch):
-    """The logits behind every sampled token (caught by a hook on the output layer) equal one uncached forward
-    over the finished, left-padded sequences. This pins the KV cache, the padding mask (2D or the ready 4D one)
-    and the position ids together. A random tiny model samples the same tokens under small mask errors, so the
-    token-level checks below cannot see them; this one can."""
+    """The logits behind every sampled token (caught by a hook on the output layer) equal one
+    uncached forward over the finished, left-padded sequences. This pins the KV cache, the padding
+    mask (2D or the ready 4D one) and the position ids together. A random tiny model samples the
+    same tokens under small mask errors, so the token-level checks below cannot see them; this one
+    can."""
     tok, model = tiny[0], model_for(arch, tiny)
     seen = []
-    hook = model.get_output_embeddings().register_forward_hook(lambda mod, inp, out: seen.append(out[:, -1].clone()))
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda mod, inp, out: seen.append(out[:, -1].clone())
+    )
     cfg = grpo.GRPOConfig(group_size=2, max_new_tokens=8, min_new_tokens=8)
     torch.manual_seed(0)
     batch = grpo.sample_completions(model, tok, ["What is 2+3? Then add 17 and 45.", "Hi"], cfg)
     hook.remove()
     P, T = batch["prompt_ids"].shape[1], batch["completion_ids"].shape[1]
-    assert len(seen) == T and (batch["prompt_mask"] == 0).sum() >= 2 * 25         # "Hi" sits behind 25+ pads
+    # "Hi" sits behind 25+ pads
+    assert len(seen) == T and (batch["prompt_mask"] == 0).sum() >= 2 * 25
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)             # (N, P+T)
-    mask = torch.cat([batch["prompt_mask"], torch.ones_like(batch["completion_ids"])], 1)  # (N, P+T)
+    # (N, P+T)
+    mask = torch.cat([batch["prompt_mask"], torch.ones_like(batch["completion_ids"])], 1)
     with torch.no_grad():
-        full = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+        full = model(
+            input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)
+        ).logits
     for t in range(T):
-        step = seen[0].repeat_interleave(2, 0) if t == 0 else seen[t]              # the prefill ran once per prompt
+        # the prefill ran once per prompt
+        step = seen[0].repeat_interleave(2, 0) if t == 0 else seen[t]
         torch.testing.assert_close(step, full[:, P - 1 + t], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama-eager", "gpt2"])
 def test_sampling_distribution_is_the_one_the_loss_scores(tiny, arch):
-    """Our sampling loop draws exactly the tokens transformers' generate() draws from the same seed, and
-    the log-probs generate() sampled from (its processed scores, at temperature 0.7 and with no top-k)
-    equal token_logprobs on the same left-padded sequences. This catches a hidden top_k=50, a temperature
-    mismatch, and (on GPT-2) position ids that differ between generation and scoring."""
+    """Our sampling loop draws exactly the tokens transformers' generate() draws from the same seed,
+    and the log-probs generate() sampled from (its processed scores, at temperature 0.7 and with no
+    top-k) equal token_logprobs on the same left-padded sequences. This catches a hidden top_k=50, a
+    temperature mismatch, and (on GPT-2) position ids that differ between generation and scoring."""
     tok, model = tiny[0], model_for(arch, tiny)
     cfg = grpo.GRPOConfig(group_size=3, max_new_tokens=12, temperature=0.7)
     torch.manual_seed(0)
     batch = grpo.sample_completions(model, tok, ["What is 2+3?", "Hi"], cfg)
     torch.manual_seed(0)
-    out = model.generate(input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"], do_sample=True,
-                         temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=12,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         output_scores=True, return_dict_in_generate=True)
+    out = model.generate(
+        input_ids=batch["prompt_ids"],
+        attention_mask=batch["prompt_mask"],
+        do_sample=True,
+        temperature=0.7,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=12,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     assert torch.equal(out.sequences[:, batch["prompt_ids"].shape[1]:], batch["completion_ids"])
     scores = torch.stack(out.scores, 1).log_softmax(-1)                          # (N, T, V)
     sampled = scores.gather(-1, batch["completion_ids"][..., None]).squeeze(-1)  # (N, T)
-    ours = grpo.token_logprobs(model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
-                               batch["completion_mask"], temperature=0.7)
+    ours = grpo.token_logprobs(
+        model,
+        batch["prompt_ids"],
+        batch["prompt_mask"],
+        batch["completion_ids"],
+        batch["completion_mask"],
+        temperature=0.7,
+    )
     m = batch["completion_mask"].bool()
     torch.testing.assert_close(ours[m], sampled[m], atol=1e-4, rtol=1e-4)
     # no truncation: at least one sampled token lay outside the top 50 of its distribution
-    assert (scores.argsort(-1, descending=True).argsort(-1).gather(-1, batch["completion_ids"][..., None])
-            .squeeze(-1)[m] >= 50).any()
+    assert (
+        scores.argsort(-1, descending=True)
+        .argsort(-1)
+        .gather(-1, batch["completion_ids"][..., None])
+        .squeeze(-1)[m]
+        >= 50
+    ).any()
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama-eager", "gpt2"])
@@ -319,10 +400,18 @@ def test_greedy_and_min_new_tokens_match_generate(tiny, arch):
     """Greedy decoding with a length floor: our loop and generate() give the same tokens."""
     tok, model = tiny[0], model_for(arch, tiny)
     cfg = grpo.GRPOConfig(max_new_tokens=10, min_new_tokens=6)
-    batch = grpo.sample_completions(model, tok, ["What is 2+3?", "Hi"], cfg, greedy=True, group_size=1)
-    out = model.generate(input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"], do_sample=False,
-                         max_new_tokens=10, min_new_tokens=6, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
+    batch = grpo.sample_completions(
+        model, tok, ["What is 2+3?", "Hi"], cfg, greedy=True, group_size=1
+    )
+    out = model.generate(
+        input_ids=batch["prompt_ids"],
+        attention_mask=batch["prompt_mask"],
+        do_sample=False,
+        max_new_tokens=10,
+        min_new_tokens=6,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     assert torch.equal(out[:, batch["prompt_ids"].shape[1]:], batch["completion_ids"])
     assert (batch["completion_mask"].sum(1) >= 6).all()
 
@@ -333,9 +422,10 @@ def test_sample_completions_groups_and_masks(tiny):
     batch = grpo.sample_completions(model, tok, ["ab", "abcdef"], cfg)
     N, T = batch["completion_ids"].shape
     assert N == 8 and T <= 8
-    # decoding ran under inference_mode; its outputs must still be ordinary tensors that backward can save
+    # decoding ran under inference_mode; its outputs must still be ordinary tensors that backward
+    # can save
     assert not any(v.is_inference() for v in batch.values() if torch.is_tensor(v))
-    assert torch.equal(batch["prompt_ids"][0], batch["prompt_ids"][3])          # group rows are contiguous
+    assert torch.equal(batch["prompt_ids"][0], batch["prompt_ids"][3])   # group rows are contiguous
     assert not torch.equal(batch["prompt_ids"][0], batch["prompt_ids"][4])
     assert batch["prompt_mask"][0].tolist()[:4] == [0, 0, 0, 0]                  # left padding
     lengths = batch["completion_mask"].sum(1)
@@ -346,9 +436,11 @@ def test_sample_completions_groups_and_masks(tiny):
         assert batch["completions"][n] == tok.decode(ids, skip_special_tokens=True)
 
 
-# --- 2. rewards ---------------------------------------------------------------------------------------
+# --- 2. rewards
+# ---------------------------------------------------------------------------------------
 def test_compute_rewards_weights_and_means():
-    """Two functions, weights 1 and 0.5: r = f1 + 0.5·f2. f1 = [1,0,1,0], f2 = [2,2,0,0] -> [2,1,1,0]."""
+    """Two functions, weights 1 and 0.5: r = f1 + 0.5·f2. f1 = [1,0,1,0], f2 = [2,2,0,0] ->
+    [2,1,1,0]."""
     def f1(prompts, completions, **kw):
         return [1.0, 0.0, 1.0, 0.0]
 
@@ -356,7 +448,9 @@ def test_compute_rewards_weights_and_means():
         assert answer == ["a", "a", "b", "b"]
         return [2, 2, 0, 0]
 
-    r, means = grpo.compute_rewards([f1, f2], ["p"] * 4, ["c"] * 4, {"answer": ["a", "a", "b", "b"]}, [1.0, 0.5])
+    r, means = grpo.compute_rewards(
+        [f1, f2], ["p"] * 4, ["c"] * 4, {"answer": ["a", "a", "b", "b"]}, [1.0, 0.5]
+    )
     assert r.tolist() == [2.0, 1.0, 1.0, 0.0]
     assert means == {"f1": 0.5, "f2": 1.0}
 
@@ -372,7 +466,8 @@ def test_compute_rewards_rejects_bad_reward_functions():
         grpo.compute_rewards([texty], ["p", "p"], ["a", "b"])
 
 
-# --- 8. the whole step ----------------------------------------------------------------------------------
+# --- 8. the whole step
+# ----------------------------------------------------------------------------------
 def contains_a(prompts, completions, **kw):
     return [float("a" in c) for c in completions]
 
@@ -381,9 +476,11 @@ def run_step(cfg, seed=0, reward_funcs=(contains_a,), with_ref=True, sgd=False):
     tok = tiny_world.char_tokenizer()
     policy = tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0)
     ref = grpo.make_reference(policy) if with_ref else None
-    # WHY sgd: plain SGD makes the weight change the gradient itself; Adam would blow float rounding in
-    # near-zero gradient entries up to a full lr-sized step.
-    opt = torch.optim.SGD(policy.parameters(), lr=cfg.lr) if sgd else grpo.make_optimizer(policy, cfg)
+    # WHY sgd: plain SGD makes the weight change the gradient itself; Adam would blow float rounding
+    # in near-zero gradient entries up to a full lr-sized step.
+    opt = (
+        torch.optim.SGD(policy.parameters(), lr=cfg.lr) if sgd else grpo.make_optimizer(policy, cfg)
+    )
     torch.manual_seed(seed)
     metrics = grpo.grpo_step(policy, ref, opt, tok, ["Q1", "Q22"], list(reward_funcs), cfg)
     return policy, metrics
@@ -391,8 +488,9 @@ def run_step(cfg, seed=0, reward_funcs=(contains_a,), with_ref=True, sgd=False):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "token"])
 def test_micro_batches_give_the_same_update(loss_type):
-    """One SGD step with micro_batch_size 16 (all 16 sequences at once) and 3 (6 uneven chunks) from the
-    same seed samples the same completions and must land on the same weights (so the same gradient)."""
+    """One SGD step with micro_batch_size 16 (all 16 sequences at once) and 3 (6 uneven chunks) from
+    the same seed samples the same completions and must land on the same weights (so the same
+    gradient)."""
     base = dict(group_size=8, max_new_tokens=10, lr=1.0, loss_type=loss_type)
     full, m_full = run_step(grpo.GRPOConfig(**base, micro_batch_size=16), sgd=True)
     micro, m_micro = run_step(grpo.GRPOConfig(**base, micro_batch_size=3), sgd=True)
@@ -413,9 +511,21 @@ def test_step_moves_weights_and_reports_every_metric():
     torch.manual_seed(0)
     m = grpo.grpo_step(policy, grpo.make_reference(policy), grpo.make_optimizer(policy, cfg), tok,
                        ["Q1", "Q22"], [contains_a], cfg)
-    for key in ["reward", "reward_std", "rewards/contains_a", "frac_reward_zero_std", "kl", "clip_ratio/low",
-                "clip_ratio/high", "completions/mean_length", "completions/clipped_ratio", "entropy",
-                "grad_norm", "loss", "step_time"]:
+    for key in [
+        "reward",
+        "reward_std",
+        "rewards/contains_a",
+        "frac_reward_zero_std",
+        "kl",
+        "clip_ratio/low",
+        "clip_ratio/high",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "entropy",
+        "grad_norm",
+        "loss",
+        "step_time",
+    ]:
         assert key in m and math.isfinite(m[key]), key
     assert any(not torch.equal(b, p) for b, p in zip(before, policy.parameters()))
     assert m["kl"] == 0.0  # μ = 1: the policy equals the reference until this step's update
@@ -423,8 +533,8 @@ def test_step_moves_weights_and_reports_every_metric():
 
 
 def test_mu_2_keeps_logp_old_from_before_the_first_update(monkeypatch):
-    """With μ = 2, both inner iterations see the same logp_old, equal to the policy's log-probs before
-    any update; the second iteration's logp differs from it because the weights moved."""
+    """With μ = 2, both inner iterations see the same logp_old, equal to the policy's log-probs
+    before any update; the second iteration's logp differs from it because the weights moved."""
     calls = []
     real = grpo.grpo_loss
 
@@ -449,7 +559,8 @@ def test_beta_zero_runs_without_reference_model():
 
 
 def test_non_finite_reward_skips_the_update():
-    """A NaN reward makes the gradient NaN; the step must skip the optimizer and leave the weights alone."""
+    """A NaN reward makes the gradient NaN; the step must skip the optimizer and leave the weights
+    alone."""
     def nan_reward(prompts, completions, **kw):
         return [float("nan")] + [0.0] * (len(completions) - 1)
 
@@ -464,15 +575,17 @@ def test_non_finite_reward_skips_the_update():
 
 
 def test_non_finite_logits_in_the_training_pass_skip_the_update():
-    """Logits that overflow to inf/NaN in the forward pass with gradients (as bf16 can) poison the loss; the
-    update is skipped, the weights and AdamW's moments stay exactly as they were. Sampling is unaffected."""
+    """Logits that overflow to inf/NaN in the forward pass with gradients (as bf16 can) poison the
+    loss; the update is skipped, the weights and AdamW's moments stay exactly as they were. Sampling
+    is unaffected."""
     tok = tiny_world.char_tokenizer()
     cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=6, lr=1e-2, beta=0.04)
     policy = tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0)
     ref = grpo.make_reference(policy)
     opt = grpo.make_optimizer(policy, cfg)
     torch.manual_seed(0)
-    grpo.grpo_step(policy, ref, opt, tok, ["Q1", "Q22"], [contains_a], cfg)  # a normal step: Adam has state
+    # a normal step: Adam has state
+    grpo.grpo_step(policy, ref, opt, tok, ["Q1", "Q22"], [contains_a], cfg)
     before = [p.detach().clone() for p in policy.parameters()]
     moments = {k: v.clone() for k, v in opt.state[next(policy.parameters())].items()}
 
@@ -510,24 +623,36 @@ def test_config_values_that_cannot_work_fail_at_construction(field, value, messa
     grpo.GRPOConfig()  # the defaults pass
 
 
-# --- beyond vanilla GRPO: process supervision (§4.1.3), GSPO, dynamic sampling -------------------------
+# --- beyond vanilla GRPO: process supervision (§4.1.3), GSPO, dynamic sampling
+# -------------------------
 def test_process_advantages_hand_worked():
-    """G = 2, T = 4. Completion 0 has steps ending at tokens 1 and 3, both right (reward 1); completion 1
-    has one step ending at token 2, wrong (0). R = [1, 1, 0]: mean 2/3, sample std sqrt(((1/3)^2 * 2 +
-    (2/3)^2) / 2) = sqrt(1/3) = 0.57735, so r̃ = [+0.57735, +0.57735, -1.15470] (eps 0 here).
+    """G = 2, T = 4. Completion 0 has steps ending at tokens 1 and 3, both right (reward 1);
+    completion 1 has one step ending at token 2, wrong (0). R = [1, 1, 0]: mean 2/3, sample std
+    sqrt(((1/3)^2 * 2 + (2/3)^2) / 2) = sqrt(1/3) = 0.57735, so r̃ = [+0.57735, +0.57735, -1.15470]
+    (eps 0 here).
     Each token sums the r̃ of the steps ending at or after it:
-        completion 0: [0.577+0.577, 0.577+0.577, 0.577, 0.577] = [1.15470, 1.15470, 0.57735, 0.57735]
+        completion 0: [0.577+0.577, 0.577+0.577, 0.577, 0.577] = [1.15470, 1.15470, 0.57735,
+        0.57735]
         completion 1: [-1.15470, -1.15470, -1.15470, 0]  (nothing ends after token 2)"""
-    A = grpo.process_advantages([[(1, 1.0), (3, 1.0)], [(2, 0.0)]], group_size=2, num_tokens=4, eps=0.0)
-    torch.testing.assert_close(A, torch.tensor([[1.15470, 1.15470, 0.57735, 0.57735],
-                                                [-1.15470, -1.15470, -1.15470, 0.0]]), atol=1e-5, rtol=0)
+    A = grpo.process_advantages(
+        [[(1, 1.0), (3, 1.0)], [(2, 0.0)]], group_size=2, num_tokens=4, eps=0.0
+    )
+    torch.testing.assert_close(
+        A,
+        torch.tensor([[1.15470, 1.15470, 0.57735, 0.57735], [-1.15470, -1.15470, -1.15470, 0.0]]),
+        atol=1e-5,
+        rtol=0,
+    )
 
 
 def test_process_advantages_with_only_a_final_step_equal_outcome_advantages():
-    """One step per completion, at its last token: the paper's two forms coincide on every real token."""
+    """One step per completion, at its last token: the paper's two forms coincide on every real
+    token."""
     rewards_ = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.0, 1.0])
     last = [3, 1, 4, 0, 2, 2, 4, 1]
-    A = grpo.process_advantages([[(t, r.item())] for t, r in zip(last, rewards_)], group_size=4, num_tokens=5)
+    A = grpo.process_advantages(
+        [[(t, r.item())] for t, r in zip(last, rewards_)], group_size=4, num_tokens=5
+    )
     outcome = grpo.group_advantages(rewards_, group_size=4)
     for n, t in enumerate(last):
         torch.testing.assert_close(A[n, :t + 1], outcome[n].expand(t + 1))
@@ -535,53 +660,86 @@ def test_process_advantages_with_only_a_final_step_equal_outcome_advantages():
 
 
 def test_step_ends_map_to_the_token_holding_their_last_character(tiny):
-    """Character tokenizer: token k is character k. '1+1=<<1+1=2>>2' has its '>>' end at character 13, so the
-    step's last character (index 12) is token 12; a step ending at the text's end maps to the last token,
-    here the EOS at index 16."""
+    """Character tokenizer: token k is character k. '1+1=<<1+1=2>>2' has its '>>' end at character
+    13, so the step's last character (index 12) is token 12; a step ending at the text's end maps to
+    the last token, here the EOS at index 16."""
     tok, _ = tiny
     text = "1+1=<<1+1=2>>2\n#"
-    ids = torch.tensor([tok.convert_tokens_to_ids(list(text)) + [tok.eos_token_id, tok.pad_token_id]])
+    ids = torch.tensor(
+        [tok.convert_tokens_to_ids(list(text)) + [tok.eos_token_id, tok.pad_token_id]]
+    )
     assert rewards.step_token_index(tok, ids, torch.tensor([17]), [[13, len(text)]]) == [[12, 16]]
 
 
 def subword_tokenizers():
-    """Two tokenizers built here, offline: SentencePiece-style (Metaspace: '▁' marks a word's leading space, and a
-    token decoded alone drops it) and byte-level BPE over bytes alone (so '€' is 3 tokens, each alone a '�')."""
+    """Two tokenizers built here, offline: SentencePiece-style (Metaspace: '▁' marks a word's
+    leading space, and a token decoded alone drops it) and byte-level BPE over bytes alone (so '€'
+    is 3 tokens, each alone a '�')."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     corpus = ["Tom has 3 apples. He buys 4 more for 1 €, so 3+4=7. The answer is 7 apples."] * 20
     sp = Tokenizer(models.BPE(unk_token="<unk>"))
     sp.pre_tokenizer, sp.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
-    sp.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"]))
+    sp.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"])
+    )
     bl = Tokenizer(models.BPE())
-    bl.pre_tokenizer, bl.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    bl.train_from_iterator([], trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"],
-                                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return {"sentencepiece": PreTrainedTokenizerFast(tokenizer_object=sp, eos_token="</s>", unk_token="<unk>"),
-            "byte-level": PreTrainedTokenizerFast(tokenizer_object=bl, eos_token="</s>")}
+    bl.pre_tokenizer, bl.decoder = (
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+        decoders.ByteLevel(),
+    )
+    bl.train_from_iterator(
+        [],
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    return {
+        "sentencepiece": PreTrainedTokenizerFast(
+            tokenizer_object=sp, eos_token="</s>", unk_token="<unk>"
+        ),
+        "byte-level": PreTrainedTokenizerFast(tokenizer_object=bl, eos_token="</s>"),
+    }
 
 
 @pytest.mark.parametrize("kind", ["sentencepiece", "byte-level"])
 def test_step_ends_map_to_tokens_on_subword_tokenizers(kind):
-    """Against the slow, obvious answer (the first k whose decoded prefix ids[:k+1] is at least e characters
-    long), on text whose words carry leading spaces and whose '€' is split over 3 byte tokens. Decoding tokens
-    one at a time would drift by a character per word (SentencePiece) or 2 per '€' (byte-level)."""
+    """Against the slow, obvious answer (the first k whose decoded prefix ids[:k+1] is at least e
+    characters long), on text whose words carry leading spaces and whose '€' is split over 3 byte
+    tokens. Decoding tokens one at a time would drift by a character per word (SentencePiece) or 2
+    per '€' (byte-level)."""
     tok = subword_tokenizers()[kind]
     text = "Tom has 3 apples. He pays 4 €, so 3+4=7. €€ The answer is 7."
     ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert tok.decode(ids, skip_special_tokens=True) == text
-    ends = [text.index(".") + 1, text.index("€") + 1, text.index("7.") + 2, text.index("€€") + 2, len(text)]
-    slow = [next(k for k in range(len(ids)) if len(tok.decode(ids[:k + 1], skip_special_tokens=True)) >= e)
-            for e in ends[:-1]] + [len(ids) - 1]                      # the last step ends at the EOS
-    assert rewards.step_token_index(tok, torch.tensor([ids]), torch.tensor([len(ids)]), [ends]) == [slow]
+    ends = [
+        text.index(".") + 1,
+        text.index("€") + 1,
+        text.index("7.") + 2,
+        text.index("€€") + 2,
+        len(text),
+    ]
+    slow = [
+        next(
+            k
+            for k in range(len(ids))
+            if len(tok.decode(ids[: k + 1], skip_special_tokens=True)) >= e
+        )
+        for e in ends[:-1]
+    ] + [len(ids) - 1]  # the last step ends at the EOS
+    assert rewards.step_token_index(tok, torch.tensor([ids]), torch.tensor([len(ids)]), [ends]) == [
+        slow
+    ]
     assert tok.decode(ids[:slow[0] + 1], skip_special_tokens=True).endswith("apples.")
 
 
 def test_gspo_sequence_ratio_hand_worked():
-    """log(π_θ/π_old) = [0.1, 0.3] on one completion. Token level: ratios e^0.1 = 1.10517 and e^0.3 = 1.34986,
-    clipped to 1.2 for A = +1: loss = -(1.10517 + 1.2) / 2 = -1.15259. GSPO: one ratio s = e^((0.1+0.3)/2)
-    = e^0.2 = 1.22140 for both tokens, clipped to 1.2: loss = -1.2 and no gradient at all. For A = -1 the
-    clip does not bind (min picks the larger loss): loss = +1.22140."""
+    """log(π_θ/π_old) = [0.1, 0.3] on one completion. Token level: ratios e^0.1 = 1.10517 and e^0.3
+    = 1.34986, clipped to 1.2 for A = +1: loss = -(1.10517 + 1.2) / 2 = -1.15259. GSPO: one ratio s
+    = e^((0.1+0.3)/2) = e^0.2 = 1.22140 for both tokens, clipped to 1.2: loss = -1.2 and no gradient
+    at all. For A = -1 the clip does not bind (min picks the larger loss): loss = +1.22140."""
     old = torch.zeros(1, 2)
     mask = torch.ones(1, 2)
 
@@ -600,12 +758,14 @@ def test_gspo_sequence_ratio_hand_worked():
 
 
 def alternating_unless_same(prompts, completions, **kw):
-    """0 for every completion of the prompt "SAME" (a zero-std group); 1, 0, 1, 0... for any other prompt."""
+    """0 for every completion of the prompt "SAME" (a zero-std group); 1, 0, 1, 0... for any other
+    prompt."""
     return [0.0 if p == "SAME" else float(i % 2) for i, p in enumerate(prompts)]
 
 
 def test_dynamic_sampling_drops_agreeing_groups_and_tops_up():
-    """B = 2: 'SAME' agrees with itself, so it is dropped and one fresh prompt ('Q2') fills its place."""
+    """B = 2: 'SAME' agrees with itself, so it is dropped and one fresh prompt ('Q2') fills its
+    place."""
     cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=6, dynamic_sampling=2)
     asked = []
 
@@ -615,8 +775,17 @@ def test_dynamic_sampling_drops_agreeing_groups_and_tops_up():
 
     tok = tiny_world.char_tokenizer()
     policy = tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0)
-    m = grpo.grpo_step(policy, grpo.make_reference(policy), grpo.make_optimizer(policy, cfg), tok,
-                       ["SAME", "Q1"], [alternating_unless_same], cfg, return_samples=True, more_prompts=more)
+    m = grpo.grpo_step(
+        policy,
+        grpo.make_reference(policy),
+        grpo.make_optimizer(policy, cfg),
+        tok,
+        ["SAME", "Q1"],
+        [alternating_unless_same],
+        cfg,
+        return_samples=True,
+        more_prompts=more,
+    )
     assert asked == [1]
     assert m["dynamic_sampling/rounds"] == 1 and m["dynamic_sampling/groups_trained"] == 2
     assert [s["prompt"] for s in m["samples"]] == ["Q1"] * 4 + ["Q2"] * 4
@@ -624,7 +793,9 @@ def test_dynamic_sampling_drops_agreeing_groups_and_tops_up():
     # Without fresh prompts the step trains on the one group with signal.
     m = grpo.grpo_step(policy, grpo.make_reference(policy), grpo.make_optimizer(policy, cfg), tok,
                        ["SAME", "Q1"], [alternating_unless_same], cfg, return_samples=True)
-    assert m["dynamic_sampling/groups_trained"] == 1 and {s["prompt"] for s in m["samples"]} == {"Q1"}
+    assert m["dynamic_sampling/groups_trained"] == 1 and {s["prompt"] for s in m["samples"]} == {
+        "Q1"
+    }
 
 
 def test_process_supervision_step_runs_with_the_calculator_reward():
@@ -641,15 +812,28 @@ def test_process_supervision_step_runs_with_the_calculator_reward():
 
     grpo.grpo_loss = spy
     try:
-        m = grpo.grpo_step(policy, grpo.make_reference(policy), grpo.make_optimizer(policy, cfg), tok,
-                           ["1+1=", "2*3="], [rewards.calculator_process_reward], cfg,
-                           columns={"answer": ["2", "6"]})
+        m = grpo.grpo_step(
+            policy,
+            grpo.make_reference(policy),
+            grpo.make_optimizer(policy, cfg),
+            tok,
+            ["1+1=", "2*3="],
+            [rewards.calculator_process_reward],
+            cfg,
+            columns={"answer": ["2", "6"]},
+        )
     finally:
         grpo.grpo_loss = real
     N, T = 8, seen[0][1]
     assert seen == [(N, T)] and math.isfinite(m["loss"]) and "rewards/steps_mean" in m
     with pytest.raises(ValueError, match="one step-reward function"):
-        grpo.grpo_step(policy, None, grpo.make_optimizer(policy, cfg), tok, ["1+1="],
-                       [rewards.calculator_process_reward, rewards.format_reward],
-                       grpo.GRPOConfig(group_size=2, max_new_tokens=4, supervision="process", beta=0.0),
-                       columns={"answer": ["2"]})
+        grpo.grpo_step(
+            policy,
+            None,
+            grpo.make_optimizer(policy, cfg),
+            tok,
+            ["1+1="],
+            [rewards.calculator_process_reward, rewards.format_reward],
+            grpo.GRPOConfig(group_size=2, max_new_tokens=4, supervision="process", beta=0.0),
+            columns={"answer": ["2"]},
+        )

@@ -1,7 +1,7 @@
 """Every GSM8K gold solution (train + test, 8,792 items) is read correctly by correctness_reward.
 
-Needs: the GSM8K JSONL files in the folder named by the GSM8K_DIR environment variable (.ci/run sets it to
-../shared/data/gsm8k). Skips, saying so, when it is unset. About 2 s.
+Needs: the GSM8K JSONL files in the folder named by the GSM8K_DIR environment variable (.ci/run sets
+it to ../shared/data/gsm8k). Skips, saying so, when it is unset. About 2 s.
 """
 
 import json
@@ -19,11 +19,15 @@ GSM8K_DIR = os.environ.get("GSM8K_DIR")
 @pytest.fixture(scope="module")
 def golds():
     if not GSM8K_DIR:
-        pytest.skip("GSM8K_DIR is not set: point it at a folder with GSM8K's train.jsonl and test.jsonl")
+        pytest.skip(
+            "GSM8K_DIR is not set: point it at a folder with GSM8K's train.jsonl and test.jsonl"
+        )
     items = []
     for split in ("train", "test"):
         path = Path(GSM8K_DIR) / f"{split}.jsonl"
-        items += [json.loads(line)["answer"] for line in path.read_text().splitlines() if line.strip()]
+        items += [
+            json.loads(line)["answer"] for line in path.read_text().splitlines() if line.strip()
+        ]
     return items
 
 
@@ -33,7 +37,7 @@ def test_all_golds_are_read(golds):
     changed = []
     for sol in golds:
         head, final = sol.rsplit("####", 1)
-        value = int(final.strip().replace(",", ""))        # GSM8K finals are integers, some with commas
+        value = int(final.strip().replace(",", ""))    # GSM8K finals are integers, some with commas
         changed.append(f"{head}#### {value + 1}")
     assert correctness_reward(golds, golds) == [1.0] * len(golds)
     assert correctness_reward(changed, golds) == [0.0] * len(golds)
@@ -44,9 +48,10 @@ def test_all_golds_are_read(golds):
 
 
 def test_gold_calculator_annotations_score_as_right_steps(golds):
-    """Process supervision's step reward on the golds: 27,995 of GSM8K's 27,998 calculator annotations are
-    computed and found right. The 3 others are refused, so they score 0: two use floor division (560//10)
-    and one writes a fraction as its result (3/4=3/4). Every gold's final step scores 1."""
+    """Process supervision's step reward on the golds: 27,995 of GSM8K's 27,998 calculator
+    annotations are computed and found right. The 3 others are refused, so they score 0: two use
+    floor division (560//10) and one writes a fraction as its result (3/4=3/4). Every gold's final
+    step scores 1."""
     from rewards import calculator_process_reward
     steps = calculator_process_reward(golds, golds)
     annotations = [r for s in steps for _, r in s[:-1]]

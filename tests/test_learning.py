@@ -1,8 +1,10 @@
-"""GRPO actually learns: a tiny randomly initialised Llama learns a rewarded behaviour from reward alone.
+"""GRPO actually learns: a tiny randomly initialised Llama learns a rewarded behaviour from reward
+alone.
 
 The task: the prompt is a digit d; a completion earns 1 if its first character is (d + 1) mod 10.
-With a 14-token vocabulary a random model gets ~1/14 = 0.07 of them right; nothing but the reward tells
-it the rule. Needs: torch, transformers. CPU, offline, ~5 s (150 steps of 10 prompts x 8 samples).
+With a 14-token vocabulary a random model gets ~1/14 = 0.07 of them right; nothing but the reward
+tells it the rule. Needs: torch, transformers. CPU, offline, ~5 s (150 steps of 10 prompts x 8
+samples).
 """
 
 import time

@@ -1,9 +1,9 @@
-"""Every notebook in notebooks/ runs headless, top to bottom, without a cell error, and its committed copy
-carries its plots.
+"""Every notebook in notebooks/ runs headless, top to bottom, without a cell error, and its
+committed copy carries its plots.
 
-Needs: nbclient, nbformat, ipykernel (requirements.txt). Runs each notebook with GRPO_NOTEBOOK_QUICK=1 (a
-weaker, faster model; the committed outputs come from the full run) and the warm-start cache in a temporary
-folder. CPU, offline, about a minute per notebook.
+Needs: nbclient, nbformat, ipykernel (requirements.txt). Runs each notebook with
+GRPO_NOTEBOOK_QUICK=1 (a weaker, faster model; the committed outputs come from the full run) and the
+warm-start cache in a temporary folder. CPU, offline, about a minute per notebook.
 """
 
 from pathlib import Path
@@ -30,7 +30,13 @@ def test_notebook_runs_headless(path, tmp_path, monkeypatch):
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})
     client.execute()  # raises CellExecutionError, naming the cell, on any error
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+    errors = [
+        o
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if o.output_type == "error"
+    ]
     assert not errors
 
 
@@ -42,4 +48,10 @@ def test_committed_notebook_shows_its_plots_and_ends_with_a_checked_exercise(pat
     assert images, f"{path.name} was committed without its plot outputs"
     assert nb.cells[0].cell_type == "markdown" and "What you will learn" in nb.cells[0].source
     assert any("def check(" in c.source for c in nb.cells if c.cell_type == "code")
-    assert not [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+    assert not [
+        o
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if o.output_type == "error"
+    ]

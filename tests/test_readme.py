@@ -1,11 +1,14 @@
-"""README.md's equation table points at the line of grpo.py that holds each equation, and names tests
-that exist. Needs nothing. Instant. On failure it prints the line the equation is really on."""
+"""README.md's equation table points at the line of grpo.py that holds each equation, and names
+tests that exist. Needs nothing. Instant. On failure it prints the line the equation is really
+on."""
 
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ROW = re.compile(r"^\| `(?P<eq>[^`]+)`.*?\| \[L(?P<line>\d+)\]\(grpo\.py#L(?P=line)\) \| (?P<tests>.+) \|$")
+ROW = re.compile(
+    r"^\| `(?P<eq>[^`]+)`.*?\| \[L(?P<line>\d+)\]\(grpo\.py#L(?P=line)\) \| (?P<tests>.+) \|$"
+)
 
 
 def table_rows():

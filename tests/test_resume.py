@@ -1,8 +1,9 @@
-"""Crash safety of train_gsm8k.py: checkpoints are written whole or not at all, a run killed with SIGKILL
-resumes with --resume and loses no completed step, and on CPU with a fixed seed the resumed run reproduces
-the uninterrupted one exactly.
+"""Crash safety of train_gsm8k.py: checkpoints are written whole or not at all, a run killed with
+SIGKILL resumes with --resume and loses no completed step, and on CPU with a fixed seed the resumed
+run reproduces the uninterrupted one exactly.
 
-Needs: torch, transformers. CPU, offline; the tiny warm start (5 supervised steps) goes to a temporary cache.
+Needs: torch, transformers. CPU, offline; the tiny warm start (5 supervised steps) goes to a
+temporary cache.
 """
 
 import json
@@ -20,8 +21,24 @@ from safetensors.torch import load_file
 import train_gsm8k
 
 ROOT = Path(__file__).resolve().parent.parent
-FLAGS = ["--warm-start-steps", "5", "--eval-size", "6", "--prompts-per-step", "2", "--group-size", "4",
-         "--max-new-tokens", "20", "--sample-every", "1", "--threads", "1", "--save-every", "1"]
+FLAGS = [
+    "--warm-start-steps",
+    "5",
+    "--eval-size",
+    "6",
+    "--prompts-per-step",
+    "2",
+    "--group-size",
+    "4",
+    "--max-new-tokens",
+    "20",
+    "--sample-every",
+    "1",
+    "--threads",
+    "1",
+    "--save-every",
+    "1",
+]
 
 
 def steps_of(run: Path) -> list[dict]:
@@ -43,10 +60,17 @@ def test_sigkill_mid_run_then_resume_loses_nothing_and_matches_an_uninterrupted_
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "GRPO_TINY_CACHE": str(tmp_path / "cache")}
     script = [sys.executable, str(ROOT / "train_gsm8k.py"), *FLAGS, "--steps", "8"]
 
-    # The uninterrupted run (it also builds the warm start, so the killed run below spends no time on it).
+    # The uninterrupted run (it also builds the warm start, so the killed run below spends no time
+    # on it).
     whole = tmp_path / "whole"
-    done = subprocess.run([*script, "--out", str(whole)], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        [*script, "--out", str(whole)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
     # The same run, killed with SIGKILL (no chance to clean up) once it has finished three steps.
@@ -63,17 +87,24 @@ def test_sigkill_mid_run_then_resume_loses_nothing_and_matches_an_uninterrupted_
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (killed / "summary.json").exists()
-    ckpt = train_gsm8k.latest_checkpoint(killed)              # the last complete checkpoint survived the kill
+    ckpt = train_gsm8k.latest_checkpoint(killed)    # the last complete checkpoint survived the kill
     saved_step = json.loads((ckpt / "state.json").read_text())["step"]
     assert saved_step >= 2
     finished_before_kill = [m["step"] for m in steps_of(killed)]
 
-    resumed = subprocess.run([sys.executable, str(ROOT / "train_gsm8k.py"), "--resume", str(killed)], env=env,
-                             cwd=ROOT, capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(
+        [sys.executable, str(ROOT / "train_gsm8k.py"), "--resume", str(killed)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"from checkpoint-{saved_step:06d}" in resumed.stdout
 
-    # Same final step, every step exactly once, and every step the killed run had checkpointed kept as it was.
+    # Same final step, every step exactly once, and every step the killed run had checkpointed kept
+    # as it was.
     summary = json.loads((killed / "summary.json").read_text())
     assert summary["steps"] == 8
     after = steps_of(killed)
@@ -82,11 +113,15 @@ def test_sigkill_mid_run_then_resume_loses_nothing_and_matches_an_uninterrupted_
     # Exactly reproducible on CPU with a fixed seed: every metric and every final weight.
     assert after == steps_of(whole)
     assert same_weights(weights(killed / "final"), weights(whole / "final"))
-    assert json.loads((whole / "summary.json").read_text())["accuracy_after"] == summary["accuracy_after"]
+    assert (
+        json.loads((whole / "summary.json").read_text())["accuracy_after"]
+        == summary["accuracy_after"]
+    )
 
 
 def test_resume_keeps_its_settings_and_can_extend_a_finished_run(tmp_path, monkeypatch):
-    """A run of 2 steps extended to 4 with --resume equals a 4-step run; changing the math is refused."""
+    """A run of 2 steps extended to 4 with --resume equals a 4-step run; changing the math is
+    refused."""
     monkeypatch.setenv("GRPO_TINY_CACHE", str(tmp_path / "cache"))
     train_gsm8k.main([*FLAGS, "--steps", "4", "--out", str(tmp_path / "four")])
     train_gsm8k.main([*FLAGS, "--steps", "2", "--out", str(tmp_path / "two")])
@@ -105,7 +140,8 @@ def test_resume_without_a_checkpoint_is_a_one_line_error(tmp_path, capsys):
 
 
 def test_a_crash_while_writing_a_checkpoint_leaves_the_last_one_whole(tmp_path, monkeypatch):
-    """The second save dies half-way through writing its weights: checkpoint-1 must still load and resume."""
+    """The second save dies half-way through writing its weights: checkpoint-1 must still load and
+    resume."""
     import tiny_world
     from transformers import AutoModelForCausalLM
     tok = tiny_world.char_tokenizer()
@@ -126,7 +162,9 @@ def test_a_crash_while_writing_a_checkpoint_leaves_the_last_one_whole(tmp_path, 
         model.model.embed_tokens.weight.add_(1.0)
     with pytest.raises(KeyboardInterrupt):
         train_gsm8k.save_checkpoint(tmp_path, model, tok, opt, {"step": 2})
-    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == ["checkpoint-000001"]
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == [
+        "checkpoint-000001"
+    ]
     ckpt = train_gsm8k.latest_checkpoint(tmp_path)
     assert ckpt.name == "checkpoint-000001"
     AutoModelForCausalLM.from_pretrained(ckpt)  # loads
