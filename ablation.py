@@ -1,20 +1,19 @@
 """
 ablation.py -- what each GRPO variant changes, measured on the tiny world over several seeds.
 
-    python ablation.py                                   # every variant, seeds 0 1 2 (about an hour
-    on a 2-core CPU) python ablation.py --variants grpo dr_grpo --seeds 0 1
-    python ablation.py --out runs/ablation               # rerun: finished runs are kept, missing
-    ones are run
+    python ablation.py                            # every variant, seeds 0 1 2 (~1 hour, 2-core CPU)
+    python ablation.py --variants grpo dr_grpo --seeds 0 1
+    python ablation.py --out runs/ablation        # rerun: finished runs are kept, missing ones run
 
 Every variant is train_gsm8k.py with a few flags changed (VARIANTS below), from the same cached warm
-start, with the same steps, prompts per step and G: the same number of sampled completions per step.
-The exceptions say so: dynamic sampling samples extra prompts to replace groups whose rewards all
-agree (the table reports completions sampled), and μ = 2 does two updates per batch (the table
+start, with the same steps, prompts per step and G: the same number of sampled completions per
+step. The exceptions say so: dynamic sampling samples extra prompts to replace groups whose rewards
+all agree (the table reports completions sampled), and μ = 2 does two updates per batch (the table
 reports wall time).
 
-The control, sft_control, spends the same wall time as the paper's GRPO (its mean time in grpo_step,
-per seed) on more supervised steps of the warm start's own text instead, so the table shows what RL
-adds beyond imitation.
+The control, sft_control, spends the same wall time as the paper's GRPO (its mean time in
+grpo_step, per seed) on more supervised steps of the warm start's own text instead, so the table
+shows what RL adds beyond imitation. Its settings are read from the GRPO run's summary.json.
 
 Writes, under --out: one ordinary run directory per (variant, seed), ablation.md (the table) and
 ablation.png (final held-out accuracy, mean ± std over seeds). Columns: final held-out greedy
@@ -41,42 +40,22 @@ ROOT = Path(__file__).resolve().parent
 
 # name: (flags for train_gsm8k.py, what it is)
 VARIANTS = {
-    "grpo": (
-        [],
-        "the paper: outcome reward, std-scaled advantages, per-sequence mean, β = 0.04, μ = 1",
-    ),
-    "dr_grpo": (
-        ["--loss-type", "dr_grpo", "--no-scale-rewards"],
-        "Dr. GRPO (arXiv 2503.20783): no std scaling, constant length normaliser",
-    ),
-    "dapo": (
-        ["--loss-type", "token", "--clip-eps-high", "0.28", "--dynamic-sampling", "2"],
-        "DAPO (arXiv 2503.14476): token-level mean, clip-higher 0.28, dynamic sampling",
-    ),
-    "gspo_mu2": (
-        [
-            "--importance-sampling-level",
-            "sequence",
-            "--clip-eps",
-            "3e-4",
-            "--clip-eps-high",
-            "4e-4",
-            "--num-iterations",
-            "2",
-        ],
-        "GSPO (arXiv 2507.18071): sequence-level ratio and clip, at μ = 2 "
-        "(at μ = 1 its gradient is GRPO's)",
-    ),
-    "process": (
-        ["--supervision", "process"],
-        "process supervision (paper §4.1.3): calculator steps + final answer",
-    ),
+    "grpo": ([], "the paper: outcome reward, std-scaled advantages, per-sequence mean, "
+                 "β = 0.04, μ = 1"),
+    "dr_grpo": (["--loss-type", "dr_grpo", "--no-scale-rewards"],
+                "Dr. GRPO (arXiv 2503.20783): no std scaling, constant length normaliser"),
+    "dapo": (["--loss-type", "token", "--clip-eps-high", "0.28", "--dynamic-sampling", "2"],
+             "DAPO (arXiv 2503.14476): token-level mean, clip-higher 0.28, dynamic sampling"),
+    "gspo_mu2": (["--importance-sampling-level", "sequence", "--clip-eps", "3e-4",
+                  "--clip-eps-high", "4e-4", "--num-iterations", "2"],
+                 "GSPO (arXiv 2507.18071): sequence-level ratio and clip, at μ = 2 "
+                 "(at μ = 1 its gradient is GRPO's)"),
+    "process": (["--supervision", "process"],
+                "process supervision (paper §4.1.3): calculator steps + final answer"),
     "beta0": (["--beta", "0"], "β = 0: no KL penalty, no reference model"),
     "mu2": (["--num-iterations", "2"], "μ = 2: two updates per batch of samples"),
-    "sft_control": (
-        None,
-        "control: the same wall time as grpo spent on more supervised steps, no RL",
-    ),
+    "sft_control": (None,
+                    "control: the same wall time as grpo spent on more supervised steps, no RL"),
 }
 
 
@@ -89,68 +68,58 @@ def train_run(out: Path, variant: str, seed: int, common: list[str], threads: in
     d = run_dir(out, variant, seed)
     if (d / "summary.json").exists():
         return d
-    cmd = [
-        sys.executable,
-        str(ROOT / "train_gsm8k.py"),
-        *common,
-        *VARIANTS[variant][0],
-        "--seed",
-        str(seed),
-        "--threads",
-        str(threads),
-        "--out",
-        str(d),
-        "--save-every",
-        "0",
-    ]
+    cmd = [sys.executable, str(ROOT / "train_gsm8k.py"), *common, *VARIANTS[variant][0],
+           "--seed", str(seed), "--threads", str(threads), "--out", str(d), "--save-every", "0"]
     with open(out / f"{variant}-seed{seed}.log", "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     if proc.returncode != 0:
-        raise SystemExit(
-            f"error: {variant} seed {seed} failed; see {out / f'{variant}-seed{seed}.log'}"
-        )
+        raise SystemExit(f"error: {variant} seed {seed} failed; "
+                         f"see {out / f'{variant}-seed{seed}.log'}")
     return d
 
 
-def sft_control_run(out: Path, seed: int, seconds: float, common_cfg, threads: int) -> Path:
-    """The warm start, trained `seconds` longer on its own slipped text, evaluated like a GRPO
-    run."""
+def settings_of(d: Path) -> tuple[dict, "grpo.GRPOConfig"]:
+    """(train settings, GRPOConfig) a finished train_gsm8k.py run recorded in its summary.json."""
+    import grpo
+    summary = json.loads((d / "summary.json").read_text())
+    return summary["train_config"], grpo.GRPOConfig(**summary["grpo_config"])
+
+
+def sft_control_run(out: Path, seed: int, seconds: float, settings, threads: int) -> Path:
+    """The warm start, trained `seconds` longer on its own slipped text, evaluated like a GRPO run
+    (the same held-out problems, batch size and cap: `settings`, a GRPO run's settings_of)."""
     d = run_dir(out, "sft_control", seed)
     if (d / "summary.json").exists():
         return d
     import torch
+
+    import checkpoint
+    import gsm8k
     import tiny_world
-    import train_gsm8k
-    tcfg, gcfg = common_cfg
+    t, gcfg = settings
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    model, tok, name = train_gsm8k.load_model(tcfg, log=lambda *a: None)
-    _, eval_rows = train_gsm8k.load_data(tcfg, n_train=1)
-    before = train_gsm8k.evaluate(model, tok, eval_rows, tcfg, gcfg, desc="eval before")
-    ws = tiny_world.WarmStartConfig(steps=tcfg.warm_start_steps, seed=tcfg.warm_start_seed)
-    t = time.perf_counter()
+    ws = tiny_world.WarmStartConfig(steps=t["warm_start_steps"], seed=t["warm_start_seed"])
+    model, tok = checkpoint.load_pretrained(str(tiny_world.warm_start(ws, log=lambda *a: None)))
+    name = f"tiny-world warm start ({ws.steps} supervised steps, seed {ws.seed})"
+    _, eval_rows = gsm8k.load_data("tiny", t["eval_size"], n_train=1)
+
+    def evaluate(desc):
+        return gsm8k.evaluate(model, tok, eval_rows, gcfg, t["system_prompt"],
+                              t["eval_batch_size"], desc=desc)
+
+    before, start = evaluate("eval before"), time.perf_counter()
     steps = tiny_world.more_supervised_steps(model, tok, seconds, ws, seed=seed)
-    spent = time.perf_counter() - t
-    after = train_gsm8k.evaluate(model, tok, eval_rows, tcfg, gcfg, desc="eval after")
+    spent = time.perf_counter() - start
+    after = evaluate("eval after")
     d.mkdir(parents=True, exist_ok=True)
     (d / "metrics.jsonl").write_text("")
-    train_gsm8k.write_json_atomic(
-        d / "summary.json",
-        {
-            "accuracy_before": before,
-            "accuracy_after": after,
-            "accuracy_gain": after - before,
-            "steps": steps,
-            "wall_seconds": spent,
-            "train_seconds": spent,
-            "model": name,
-            "data": "tiny",
-            "eval_size": len(eval_rows),
-            "torch_threads": threads,
-            "supervised_steps": steps,
-            "train_config": {"seed": seed},
-        },
-    )
+    checkpoint.write_json_atomic(d / "summary.json", {
+        "accuracy_before": before, "accuracy_after": after, "accuracy_gain": after - before,
+        "steps": steps, "wall_seconds": spent, "train_seconds": spent, "model": name,
+        "data": "tiny", "eval_size": len(eval_rows), "torch_threads": threads,
+        "supervised_steps": steps,
+        "train_config": {"seed": seed}})
     return d
 
 
@@ -164,20 +133,13 @@ def run_stats(d: Path, group_size: int, prompts_per_step: int) -> dict:
     moving = [statistics.mean(acc[max(0, i - 4):i + 1]) for i in range(len(acc))]
     start = statistics.mean(acc[:5]) if acc else math.nan
     reached = next((i + 1 for i, a in enumerate(moving) if i >= 4 and a >= start + 0.10), None)
-    sampled = sum(
-        group_size * prompts_per_step * (1 + m.get("dynamic_sampling/rounds", 0)) for m in metrics
-    )
-    return {
-        "after": 100 * s["accuracy_after"],
-        "gain": 100 * s["accuracy_gain"],
-        "reached": reached,
-        "length": statistics.mean(m["completions/mean_length"] for m in metrics)
-        if metrics
-        else math.nan,
-        "sampled": sampled,
-        "minutes": s["wall_seconds"] / 60,
-        "train_seconds": s.get("train_seconds", sum(m["step_time"] for m in metrics)),
-    }
+    sampled = sum(group_size * prompts_per_step * (1 + m.get("dynamic_sampling/rounds", 0))
+                  for m in metrics)
+    lengths = [m["completions/mean_length"] for m in metrics]
+    return {"after": 100 * s["accuracy_after"], "gain": 100 * s["accuracy_gain"],
+            "reached": reached, "length": statistics.mean(lengths) if lengths else math.nan,
+            "sampled": sampled, "minutes": s["wall_seconds"] / 60,
+            "train_seconds": s.get("train_seconds", sum(m["step_time"] for m in metrics))}
 
 
 def mean_sd(xs, fmt="{:.1f}"):
@@ -200,29 +162,19 @@ def verdict(xs: list[float], base: list[float]) -> str:
 
 def table(out: Path, stats: dict[str, list[dict]], seeds: list[int], common_desc: str) -> str:
     base = [s["after"] for s in stats.get("grpo", [])]
-    lines = [
-        f"Tiny world, {common_desc}, seeds {', '.join(map(str, seeds))}.",
-        "",
-        "| variant | final accuracy (%) | change (points) | vs grpo (points) "
-        "| steps to +10 (train) | mean length | completions sampled | minutes per run |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    lines = [f"Tiny world, {common_desc}, seeds {', '.join(map(str, seeds))}.", "",
+             "| variant | final accuracy (%) | change (points) | vs grpo (points) "
+             "| steps to +10 (train) | mean length | completions sampled | minutes per run |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, runs in stats.items():
-        reached = [r["reached"] for r in runs]
-        reached_txt = (
-            mean_sd([x for x in reached if x], "{:.0f}")
-            + f" ({sum(1 for x in reached if x)}/{len(runs)})"
-            if any(reached)
-            else f"— (0/{len(runs)})"
-        )
-        lines.append(
-            f"| {name} | {mean_sd([r['after'] for r in runs])} | "
-            f"{mean_sd([r['gain'] for r in runs])} | "
-            f"{'—' if name == 'grpo' else verdict([r['after'] for r in runs], base)} | "
-            f"{reached_txt} | {mean_sd([r['length'] for r in runs])} | "
-            f"{mean_sd([r['sampled'] for r in runs], '{:.0f}')} | "
-            f"{mean_sd([r['minutes'] for r in runs])} |"
-        )
+        reached = [r["reached"] for r in runs if r["reached"]]
+        reached_txt = (f"{mean_sd(reached, '{:.0f}')} ({len(reached)}/{len(runs)})" if reached
+                       else f"— (0/{len(runs)})")
+        col = {k: mean_sd([r[k] for r in runs]) for k in ("after", "gain", "length", "minutes")}
+        vs = "—" if name == "grpo" else verdict([r["after"] for r in runs], base)
+        sampled = mean_sd([r["sampled"] for r in runs], "{:.0f}")
+        lines.append(f"| {name} | {col['after']} | {col['gain']} | {vs} | {reached_txt} | "
+                     f"{col['length']} | {sampled} | {col['minutes']} |")
     lines += ["", "| variant | what it is |", "|---|---|"]
     lines += [f"| {name} | {VARIANTS[name][1]} |" for name in stats]
     return "\n".join(lines)
@@ -234,13 +186,11 @@ def plot(out: Path, stats: dict[str, list[dict]], before: float):
     import matplotlib.pyplot as plt
     names = list(stats)
     means = [statistics.mean(r["after"] for r in stats[n]) for n in names]
-    sds = [
-        statistics.stdev([r["after"] for r in stats[n]]) if len(stats[n]) > 1 else 0 for n in names
-    ]
+    sds = [statistics.stdev([r["after"] for r in stats[n]]) if len(stats[n]) > 1 else 0
+           for n in names]
     fig, ax = plt.subplots(figsize=(1.2 * len(names) + 2, 3.6))
-    ax.bar(
-        names, means, yerr=sds, capsize=4, color=["#444" if n == "grpo" else "#8aa" for n in names]
-    )
+    ax.bar(names, means, yerr=sds, capsize=4,
+           color=["#444" if n == "grpo" else "#8aa" for n in names])
     ax.axhline(before, color="red", ls="--", lw=1, label=f"warm start ({before:.1f}%)")
     for i, n in enumerate(names):
         ax.plot([i] * len(stats[n]), [r["after"] for r in stats[n]], "k.", ms=4)
@@ -254,35 +204,20 @@ def plot(out: Path, stats: dict[str, list[dict]], before: float):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(
-        description="GRPO variants on the tiny world over seeds (see the module docstring).",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--variants",
-        nargs="+",
-        default=list(VARIANTS),
-        choices=list(VARIANTS),
-        metavar="NAME",
-        help=f"which to run (default: all of {', '.join(VARIANTS)})",
-    )
+    p = argparse.ArgumentParser(description="GRPO variants on the tiny world over seeds "
+                                "(see the module docstring).",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                   metavar="NAME", help=f"which to run (default: all of {', '.join(VARIANTS)})")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds (default 0 1 2)")
     p.add_argument("--steps", type=int, default=30, help="GRPO steps per run (default 30)")
     p.add_argument("--eval-size", type=int, default=300, help="held-out problems (default 300)")
-    p.add_argument(
-        "--jobs",
-        type=int,
-        default=2,
-        help="runs side by side (default 2; threads split among them)",
-    )
-    p.add_argument(
-        "--out", default="runs/ablation", help="output directory (default runs/ablation)"
-    )
-    p.add_argument(
-        "extra",
-        nargs=argparse.REMAINDER,
-        help="after --, flags passed to every train_gsm8k.py run (e.g. -- --warm-start-steps 5)",
-    )
+    p.add_argument("--jobs", type=int, default=2,
+                   help="runs side by side (default 2; threads split among them)")
+    p.add_argument("--out", default="runs/ablation",
+                   help="output directory (default runs/ablation)")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="after --, flags passed to every "
+                   "train_gsm8k.py run (e.g. -- --warm-start-steps 5)")
     a = p.parse_args(argv)
     extra = a.extra[1:] if a.extra[:1] == ["--"] else a.extra
     out = Path(a.out)
@@ -294,39 +229,31 @@ def main(argv=None):
         rl.insert(0, "grpo")  # the control's time budget is grpo's
     t0 = time.perf_counter()
     with ThreadPoolExecutor(a.jobs) as pool:
-        list(
-            pool.map(
-                lambda vs: train_run(out, vs[0], vs[1], common, threads),
-                [(v, s) for v in rl for s in a.seeds],
-            )
-        )
+        list(pool.map(lambda vs: train_run(out, vs[0], vs[1], common, threads),
+                      [(v, s) for v in rl for s in a.seeds]))
 
-    import train_gsm8k
-    tcfg, gcfg = train_gsm8k.parse_args(common)
+    # Every variant shares G and the prompts per step: read them from the first run's settings.
+    train_settings, gcfg = settings_of(run_dir(out, rl[0], a.seeds[0]))
+    G, B = gcfg.group_size, train_settings["prompts_per_step"]
     if "sft_control" in a.variants:
         for seed in a.seeds:
-            seconds = run_stats(run_dir(out, "grpo", seed), gcfg.group_size, tcfg.prompts_per_step)[
-                "train_seconds"
-            ]
-            # the same threads as each RL run
-            sft_control_run(out, seed, seconds, (tcfg, gcfg), threads)
-    stats = {
-        v: [run_stats(run_dir(out, v, s), gcfg.group_size, tcfg.prompts_per_step) for s in a.seeds]
-        for v in [*rl, *(["sft_control"] if "sft_control" in a.variants else [])]
-    }
-    before = statistics.mean(100 * json.loads((run_dir(out, rl[0], s) / "summary.json").read_text())
-                             ["accuracy_before"] for s in a.seeds)
-    desc = (f"{a.steps} GRPO steps of {tcfg.prompts_per_step} prompts x G={gcfg.group_size}, "
+            grpo_run = run_dir(out, "grpo", seed)
+            seconds = run_stats(grpo_run, G, B)["train_seconds"]
+            # the same threads as each RL run, and the same evaluation as grpo's
+            sft_control_run(out, seed, seconds, settings_of(grpo_run), threads)
+    stats = {v: [run_stats(run_dir(out, v, s), G, B) for s in a.seeds]
+             for v in [*rl, *(["sft_control"] if "sft_control" in a.variants else [])]}
+    before = statistics.mean(100 * json.loads((run_dir(out, rl[0], s) / "summary.json")
+                                              .read_text())["accuracy_before"] for s in a.seeds)
+    desc = (f"{a.steps} GRPO steps of {B} prompts x G={G}, "
             f"{a.eval_size} held-out problems, warm start at {before:.1f}%")
     text = table(out, stats, a.seeds, desc)
     (out / "ablation.md").write_text(text + "\n")
     plot(out, stats, before)
     print(text)
-    print(
-        f"\n{len(stats) * len(a.seeds)} runs in {out}/ "
-        f"({(time.perf_counter() - t0) / 60:.0f} min this invocation); "
-        f"table in {out / 'ablation.md'}, plot in {out / 'ablation.png'}"
-    )
+    minutes = (time.perf_counter() - t0) / 60
+    print(f"\n{len(stats) * len(a.seeds)} runs in {out}/ ({minutes:.0f} min this invocation); "
+          f"table in {out / 'ablation.md'}, plot in {out / 'ablation.png'}")
     return stats
 
 

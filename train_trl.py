@@ -1,25 +1,24 @@
 """
 train_trl.py -- the same GSM8K training on TRL's GRPOTrainer: the road past one GPU.
 
-    pip install trl                                                   # not a core dependency
-    python train_trl.py --model Qwen/Qwen2.5-0.5B-Instruct --data openai/gsm8k          # one device
-    accelerate launch --num_processes 8 train_trl.py --model Qwen/Qwen2.5-7B-Instruct --data
-    openai/gsm8k
-    accelerate launch --config_file zero3.yaml train_trl.py ... --use-vllm             # DeepSpeed +
-    vLLM
+    pip install trl                                                      # not a core dependency
+    python train_trl.py --model Qwen/Qwen2.5-0.5B-Instruct --data openai/gsm8k       # one device
+    accelerate launch --num_processes 8 train_trl.py --model Qwen/Qwen2.5-7B-Instruct \\
+        --data openai/gsm8k                                                          # 8 devices
+    accelerate launch --config_file zero3.yaml train_trl.py ... --use-vllm    # DeepSpeed + vLLM
 
-When to switch from train_gsm8k.py: when one device cannot hold the policy, the reference and AdamW
-state, or when generation is the wall and you want vLLM. grpo.py stays the reference for what the
-math must be; TRL's GRPOTrainer runs it on accelerate / DeepSpeed / FSDP with vLLM generation.
+When to switch from train_gsm8k.py: when one device cannot hold the policy, the reference and
+AdamW state, or when generation is the wall and you want vLLM. grpo.py stays the reference for
+what the math must be; TRL's GRPOTrainer runs it on accelerate / DeepSpeed / FSDP with vLLM.
 
-This script reuses this project's pieces unchanged: the data comes from train_gsm8k.load_data and
-train_gsm8k.make_prompt (the tiny world, a GSM8K JSONL folder, or the hub), and the rewards are
-rewards.py's correctness_reward and format_reward, whose signature is TRL's. TRL's defaults differ
-from the paper; here
-they are set to the paper's (and to grpo.GRPOConfig's) where both have the knob:
+This script reuses this project's pieces unchanged: the data comes from gsm8k.load_data and
+gsm8k.make_prompt (the tiny world, a GSM8K JSONL folder, or the hub), and the rewards are
+rewards.py's correctness_reward and format_reward, whose signature is TRL's. TRL's defaults
+differ from the paper; here they are set to the paper's (and grpo.GRPOConfig's) where both have
+the knob:
     loss_type "grpo" (TRL: "dapo"), beta 0.04 (TRL: 0.0), epsilon 0.2, num_iterations 1,
-    scale_rewards by the group std, temperature 1 with top_k 0 and top_p 1, a constant learning rate
-    with no warm-up.
+    scale_rewards by the group std, temperature 1 with top_k 0 and top_p 1, a constant learning
+    rate with no warm-up.
 Batch sizes: TRL counts completions per device, so one process trains --prompts-per-step x
 --group-size completions per step, and N processes train N times that.
 """
@@ -27,53 +26,36 @@ Batch sizes: TRL counts completions per device, so one process trains --prompts-
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 import grpo
-import train_gsm8k
+import gsm8k
+from flags import InputError
 
 
 def parse_args(argv=None):
     paper = grpo.GRPOConfig()
-    p = argparse.ArgumentParser(
-        description="GRPO on GSM8K with TRL's GRPOTrainer, fed by this project's data "
-        "loading and reward functions (see the module docstring)."
-    )
+    p = argparse.ArgumentParser(description="GRPO on GSM8K with TRL's GRPOTrainer, fed by this "
+                                "project's data loading and reward functions (see the docstring).")
     p.add_argument("--model", required=True, help="hub id or local directory of a causal LM")
-    p.add_argument(
-        "--data",
-        default="openai/gsm8k",
-        help="'tiny', a folder with train.jsonl/test.jsonl, or 'openai/gsm8k' (default)",
-    )
+    p.add_argument("--data", default="openai/gsm8k",
+                   help="'tiny', a folder with train.jsonl/test.jsonl, or 'openai/gsm8k' (default)")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
-    p.add_argument(
-        "--prompts-per-step", type=int, default=8, help="prompts per step per process (default 8)"
-    )
-    p.add_argument(
-        "--group-size", type=int, default=paper.group_size, help=f"G (default {paper.group_size})"
-    )
+    p.add_argument("--prompts-per-step", type=int, default=8,
+                   help="prompts per step per process (default 8)")
+    p.add_argument("--group-size", type=int, default=paper.group_size,
+                   help=f"G (default {paper.group_size})")
     p.add_argument("--max-new-tokens", type=int, default=512, help="completion cap (default 512)")
-    p.add_argument(
-        "--lr",
-        type=float,
-        default=paper.lr,
-        help=f"learning rate (default {paper.lr}, the paper's)",
-    )
-    p.add_argument(
-        "--beta",
-        type=float,
-        default=paper.beta,
-        help=f"KL weight (default {paper.beta}, the paper's)",
-    )
-    p.add_argument("--system-prompt", default=train_gsm8k.GSM8K_SYSTEM_PROMPT,
+    p.add_argument("--lr", type=float, default=paper.lr,
+                   help=f"learning rate (default {paper.lr}, the paper's)")
+    p.add_argument("--beta", type=float, default=paper.beta,
+                   help=f"KL weight (default {paper.beta}, the paper's)")
+    p.add_argument("--system-prompt", default=gsm8k.GSM8K_SYSTEM_PROMPT,
                    help="system message for chat models (default: ask for the '####' layout)")
-    p.add_argument(
-        "--bf16", action=argparse.BooleanOptionalAction, default=False, help="bf16 mixed precision"
-    )
-    p.add_argument(
-        "--use-vllm", action="store_true", help="generate with vLLM (pip install vllm; GPU only)"
-    )
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False,
+                   help="bf16 mixed precision")
+    p.add_argument("--use-vllm", action="store_true",
+                   help="generate with vLLM (pip install vllm; GPU only)")
     p.add_argument("--cpu", action="store_true", help="run on CPU even if a GPU is present")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/trl", help="output directory (default runs/trl)")
@@ -87,47 +69,32 @@ def main(argv=None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from trl import GRPOConfig, GRPOTrainer
     except ImportError as e:
-        raise train_gsm8k.InputError(
-            f"train_trl.py needs TRL and datasets: pip install trl ({e})"
-        ) from None
+        raise InputError(f"train_trl.py needs TRL and datasets: pip install trl ({e})") from None
 
     # The data, exactly as train_gsm8k.py loads and formats it.
-    tcfg = dataclasses.replace(train_gsm8k.TrainConfig(), model=a.model, data=a.data, seed=a.seed,
-                               system_prompt=a.system_prompt)
-    train_rows, _ = train_gsm8k.load_data(tcfg, n_train=a.steps * a.prompts_per_step)
+    train_rows, _ = gsm8k.load_data(a.data, eval_size=1, n_train=a.steps * a.prompts_per_step,
+                                    seed=a.seed)
     tokenizer = AutoTokenizer.from_pretrained(a.model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    dataset = Dataset.from_list(
-        [
-            {
-                "prompt": train_gsm8k.make_prompt(tokenizer, r["question"], a.system_prompt),
-                "question": r["question"],
-                "answer": r["answer"],
-            }
-            for r in train_rows
-        ]
-    )
+    dataset = Dataset.from_list([
+        {"prompt": gsm8k.make_prompt(tokenizer, r["question"], a.system_prompt),
+         "question": r["question"], "answer": r["answer"]} for r in train_rows])
 
     args = GRPOConfig(
         output_dir=a.out, report_to="none", seed=a.seed, use_cpu=a.cpu, bf16=a.bf16,
         max_steps=a.steps, per_device_train_batch_size=a.prompts_per_step * a.group_size,
         num_generations=a.group_size, max_completion_length=a.max_new_tokens,
-        temperature=1.0, top_k=0, top_p=1.0,                 # sample from the true policy (grpo.py)
-        # the paper's
-        loss_type="grpo", beta=a.beta, epsilon=grpo.GRPOConfig.clip_eps, num_iterations=1,
-        scale_rewards="group", learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.0, max_grad_norm=1.0, reward_weights=train_gsm8k.DEFAULT_REWARD_WEIGHTS,
+        temperature=1.0, top_k=0, top_p=1.0,                  # sample from the true policy (grpo.py)
+        loss_type="grpo", beta=a.beta, epsilon=grpo.GRPOConfig.clip_eps,           # the paper's
+        num_iterations=1, scale_rewards="group", learning_rate=a.lr,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        reward_weights=gsm8k.DEFAULT_REWARD_WEIGHTS,
         use_vllm=a.use_vllm, logging_steps=1, save_strategy="no",
     )
     model = AutoModelForCausalLM.from_pretrained(a.model)
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=train_gsm8k.REWARD_FUNCS,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-    )
+    trainer = GRPOTrainer(model=model, reward_funcs=gsm8k.REWARD_FUNCS, args=args,
+                          train_dataset=dataset, processing_class=tokenizer)
     trainer.train()
     trainer.save_model(a.out)
     return trainer
@@ -136,6 +103,6 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except train_gsm8k.InputError as e:
+    except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

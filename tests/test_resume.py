@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import checkpoint
 import train_gsm8k
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,7 +88,7 @@ def test_sigkill_mid_run_then_resume_loses_nothing_and_matches_an_uninterrupted_
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (killed / "summary.json").exists()
-    ckpt = train_gsm8k.latest_checkpoint(killed)    # the last complete checkpoint survived the kill
+    ckpt = checkpoint.latest_checkpoint(killed)    # the last complete checkpoint survived the kill
     saved_step = json.loads((ckpt / "state.json").read_text())["step"]
     assert saved_step >= 2
     finished_before_kill = [m["step"] for m in steps_of(killed)]
@@ -148,7 +149,7 @@ def test_a_crash_while_writing_a_checkpoint_leaves_the_last_one_whole(tmp_path, 
     model = tiny_world.tiny_llama(tok, hidden=32, layers=1, heads=2)
     opt = torch.optim.AdamW(model.parameters())
     state = {"step": 1}
-    train_gsm8k.save_checkpoint(tmp_path, model, tok, opt, state)
+    checkpoint.save_checkpoint(tmp_path, model, tok, opt, state)
 
     real = type(model).save_pretrained
 
@@ -161,11 +162,11 @@ def test_a_crash_while_writing_a_checkpoint_leaves_the_last_one_whole(tmp_path, 
     with torch.no_grad():
         model.model.embed_tokens.weight.add_(1.0)
     with pytest.raises(KeyboardInterrupt):
-        train_gsm8k.save_checkpoint(tmp_path, model, tok, opt, {"step": 2})
+        checkpoint.save_checkpoint(tmp_path, model, tok, opt, {"step": 2})
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == [
         "checkpoint-000001"
     ]
-    ckpt = train_gsm8k.latest_checkpoint(tmp_path)
+    ckpt = checkpoint.latest_checkpoint(tmp_path)
     assert ckpt.name == "checkpoint-000001"
     AutoModelForCausalLM.from_pretrained(ckpt)  # loads
 
@@ -175,11 +176,11 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path):
     tok = tiny_world.char_tokenizer()
     model = tiny_world.tiny_llama(tok, hidden=32, layers=1, heads=2)
     opt = torch.optim.AdamW(model.parameters())
-    train_gsm8k.save_checkpoint(tmp_path, model, tok, opt, {"step": 1})
+    checkpoint.save_checkpoint(tmp_path, model, tok, opt, {"step": 1})
     before = weights(tmp_path / "checkpoint-000001")
     with torch.no_grad():
         model.model.norm.weight[0] = float("nan")
-    with pytest.raises(train_gsm8k.TrainingStopped, match="not finite"):
-        train_gsm8k.save_checkpoint(tmp_path, model, tok, opt, {"step": 2})
+    with pytest.raises(checkpoint.TrainingStopped, match="not finite"):
+        checkpoint.save_checkpoint(tmp_path, model, tok, opt, {"step": 2})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000001"]
     assert same_weights(weights(tmp_path / "checkpoint-000001"), before)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import gsm8k
 import tiny_world
 import train_gsm8k
 
@@ -370,7 +371,7 @@ def test_nan_rewards_from_step_3_are_skipped_then_stop_the_run(
     correctness_then_nan.__name__ = "correctness_reward"
     train_gsm8k.main([*RUN_FLAGS, "--steps", "2", "--out", str(tmp_path / "clean")])
     monkeypatch.setattr(
-        train_gsm8k, "REWARD_FUNCS", [correctness_then_nan, rewards_mod.format_reward]
+        gsm8k, "REWARD_FUNCS", [correctness_then_nan, rewards_mod.format_reward]
     )
     assert train_gsm8k.cli([*RUN_FLAGS, "--steps", "6", "--out", str(tmp_path / "bad")]) == 1
     err = capsys.readouterr().err
@@ -430,7 +431,7 @@ def test_a_broken_reward_function_fails_before_any_model_loads(
     tmp_path, cache, monkeypatch, capsys, bad, expected
 ):
     import rewards as rewards_mod
-    monkeypatch.setattr(train_gsm8k, "REWARD_FUNCS", [bad, rewards_mod.format_reward])
+    monkeypatch.setattr(gsm8k, "REWARD_FUNCS", [bad, rewards_mod.format_reward])
     assert train_gsm8k.cli([*RUN_FLAGS, "--steps", "2", "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert expected in err and len(err.strip().splitlines()) == 1
