@@ -95,18 +95,8 @@ def tiny_llama(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, ffn
 # ----------------------------------------------------------------------------------------------
 NAMES = ["Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Ben", "Lily", "Omar", "Nina", "Raj"]
 ITEMS = [
-    "apples",
-    "pens",
-    "cards",
-    "books",
-    "shells",
-    "stamps",
-    "marbles",
-    "cookies",
-    "stickers",
-    "beads",
-    "eggs",
-    "coins",
+    "apples", "pens", "cards", "books", "shells", "stamps", "marbles", "cookies", "stickers",
+    "beads", "eggs", "coins",
 ]
 OPS = {
     "+": lambda a, b: a + b,

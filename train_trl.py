@@ -85,7 +85,7 @@ def main(argv=None):
         output_dir=a.out, report_to="none", seed=a.seed, use_cpu=a.cpu, bf16=a.bf16,
         max_steps=a.steps, per_device_train_batch_size=a.prompts_per_step * a.group_size,
         num_generations=a.group_size, max_completion_length=a.max_new_tokens,
-        temperature=1.0, top_k=0, top_p=1.0,                  # sample from the true policy (grpo.py)
+        temperature=1.0, top_k=0, top_p=1.0,                # sample from the true policy (grpo.py)
         loss_type="grpo", beta=a.beta, epsilon=grpo.GRPOConfig.clip_eps,           # the paper's
         num_iterations=1, scale_rewards="group", learning_rate=a.lr,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,

@@ -256,16 +256,8 @@ def run_trl(a) -> dict:
 def worker_cmd(a, side: str, model_dir: Path) -> list[str]:
     flags = ["--worker", side, "--model-dir", str(model_dir)]
     for k in (
-        "threads",
-        "group_size",
-        "prompts",
-        "tokens",
-        "steps",
-        "warmup",
-        "beta",
-        "num_iterations",
-        "lr",
-        "device",
+        "threads", "group_size", "prompts", "tokens", "steps", "warmup", "beta", "num_iterations",
+        "lr", "device",
     ):
         flags += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     return [sys.executable, __file__, *flags, *(["--bf16"] if a.bf16 else [])]

@@ -45,11 +45,7 @@ def test_vs_trl_reports_both_sides(precision):
     assert res["precision"] == ("bf16 autocast" if precision else "fp32") and res["device"] == "cpu"
     assert "ours_peak_gpu_mb" not in res  # only on a GPU
     for key in (
-        "ours_s_per_step",
-        "trl_s_per_step",
-        "ratio",
-        "ours_peak_rss_mb",
-        "trl_peak_rss_mb",
+        "ours_s_per_step", "trl_s_per_step", "ratio", "ours_peak_rss_mb", "trl_peak_rss_mb",
     ):
         assert res[key] > 0, key
     assert res["ratio"] == pytest.approx(res["ours_s_per_step"] / res["trl_s_per_step"], rel=0.01)

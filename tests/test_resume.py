@@ -23,22 +23,8 @@ import train_gsm8k
 
 ROOT = Path(__file__).resolve().parent.parent
 FLAGS = [
-    "--warm-start-steps",
-    "5",
-    "--eval-size",
-    "6",
-    "--prompts-per-step",
-    "2",
-    "--group-size",
-    "4",
-    "--max-new-tokens",
-    "20",
-    "--sample-every",
-    "1",
-    "--threads",
-    "1",
-    "--save-every",
-    "1",
+    "--warm-start-steps", "5", "--eval-size", "6", "--prompts-per-step", "2", "--group-size", "4",
+    "--max-new-tokens", "20", "--sample-every", "1", "--threads", "1", "--save-every", "1",
 ]
 
 

@@ -22,22 +22,8 @@ import train_gsm8k
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_FLAGS = [
-    "--warm-start-steps",
-    "5",
-    "--steps",
-    "2",
-    "--eval-size",
-    "6",
-    "--prompts-per-step",
-    "2",
-    "--group-size",
-    "4",
-    "--max-new-tokens",
-    "20",
-    "--sample-every",
-    "1",
-    "--threads",
-    "1",
+    "--warm-start-steps", "5", "--steps", "2", "--eval-size", "6", "--prompts-per-step", "2",
+    "--group-size", "4", "--max-new-tokens", "20", "--sample-every", "1", "--threads", "1",
 ]
 
 
@@ -74,15 +60,8 @@ def test_tiny_run_end_to_end_writes_every_output(tmp_path, cache):
     assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
         for key in (
-            "reward",
-            "kl",
-            "clip_ratio/low",
-            "entropy",
-            "grad_norm",
-            "loss",
-            "completions/mean_length",
-            "rewards/correctness_reward",
-            "rewards/format_reward",
+            "reward", "kl", "clip_ratio/low", "entropy", "grad_norm", "loss",
+            "completions/mean_length", "rewards/correctness_reward", "rewards/format_reward",
             "step_time",
         ):
             assert math.isfinite(m[key]), key
@@ -331,22 +310,8 @@ def test_flags_override_the_preset_which_overrides_the_defaults():
 # --- numerical safety: non-finite steps are skipped, counted, and several in a row stop the run
 # ---------
 RUN_FLAGS = [
-    "--warm-start-steps",
-    "5",
-    "--eval-size",
-    "6",
-    "--prompts-per-step",
-    "2",
-    "--group-size",
-    "4",
-    "--max-new-tokens",
-    "20",
-    "--threads",
-    "1",
-    "--save-every",
-    "1",
-    "--max-bad-steps",
-    "2",
+    "--warm-start-steps", "5", "--eval-size", "6", "--prompts-per-step", "2", "--group-size", "4",
+    "--max-new-tokens", "20", "--threads", "1", "--save-every", "1", "--max-bad-steps", "2",
 ]
 
 

@@ -1,0 +1,211 @@
+"""The sampling engine (engine.py) against slow, obvious samplers: grpo.reference_decode (no KV cache,
+the whole sequence every step) and transformers' generate(). Token for token from the same seed, on
+a Llama with SDPA attention (the ready 4D mask), the same Llama on eager attention (the 2D mask) and
+a GPT-2 (absolute positions, so left padding must be handled); and every decode step's logits
+against one uncached forward pass.
+
+Needs: torch and transformers only (tiny random models built in memory). CPU, offline, ~15 s.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import engine
+import grpo
+import tiny_world
+
+ARCHS = ["llama", "llama-eager", "gpt2"]
+PROMPTS = ["What is 2+3? Then add 17 and 45.", "Hi", "Q: 7*8"]  # 3 lengths: real left padding
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = tiny_world.char_tokenizer()
+    return tok, tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0)
+
+
+def tiny_gpt2(tok):
+    """GPT-2 learns ABSOLUTE position embeddings, so left padding shifts its positions unless
+    handled."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2,
+                                       n_positions=64, bos_token_id=tok.bos_token_id,
+                                       eos_token_id=tok.eos_token_id))
+    grpo.disable_dropout(model)  # GPT-2 has dropout 0.1; with it on, no two forward passes agree
+    return model
+
+
+def model_for(arch, tiny):
+    """The tiny Llama (SDPA: the engine hands it a ready 4D mask), the same weights on eager
+    attention (the plain 2D mask path), or a tiny GPT-2."""
+    tok, model = tiny
+    if arch == "llama-eager":
+        model = copy.deepcopy(model)
+        model.set_attn_implementation("eager")
+        assert not engine.sdpa_full_attention(model)
+        return model
+    return model if arch == "llama" else tiny_gpt2(tok)
+
+
+def sample(model, tok, sampler, seed=0, greedy=False, **cfg):
+    """G = 4 completions of up to 24 tokens for each of PROMPTS (greedy: one each)."""
+    torch.manual_seed(seed)
+    config = grpo.GRPOConfig(sampler=sampler, group_size=4, max_new_tokens=24, **cfg)
+    return grpo.sample_completions(model, tok, PROMPTS, config, greedy=greedy,
+                                   group_size=1 if greedy else None)
+
+
+# --- the engine draws exactly the reference sampler's tokens --------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("setting", [dict(temperature=0.7), dict(temperature=1.0),
+                                     dict(greedy=True, min_new_tokens=10)],
+                         ids=["t0.7", "t1.0", "greedy-floor"])
+def test_engine_draws_the_reference_samplers_tokens(tiny, arch, setting):
+    """Same seed, same settings: engine.decode and grpo.reference_decode give identical token ids,
+    masks, texts and truncation flags, for sampled (two temperatures) and greedy decoding with a
+    length floor. The draws are not trivial: the rows differ from each other."""
+    tok, model = tiny[0], model_for(arch, tiny)
+    fast, slow = (sample(model, tok, s, **setting) for s in ("engine", "reference"))
+    for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"):
+        assert torch.equal(fast[key], slow[key]), key
+    assert fast["completions"] == slow["completions"]
+    assert len(set(fast["completions"])) > 1
+    assert fast["completion_ids"].shape[1] > 5
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_engine_hands_draw_tokens_the_reference_logits(tiny, arch, monkeypatch):
+    """Equal tokens could hide a slightly wrong distribution (a random tiny model rarely flips a
+    draw under a 1% logit error), so compare what each sampler hands to grpo.draw_tokens: the
+    logits of every step, before the draw, within float tolerance."""
+    tok, model = tiny[0], model_for(arch, tiny)
+    seen, real = [], grpo.draw_tokens
+
+    def spy(logits, t, done, **kw):
+        seen[-1].append(logits.clone())
+        return real(logits, t, done, **kw)
+
+    monkeypatch.setattr(grpo, "draw_tokens", spy)
+    for sampler in ("engine", "reference"):
+        seen.append([])
+        sample(model, tok, sampler, temperature=0.7)
+    fast, slow = seen
+    assert len(fast) == len(slow) > 5
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_different_seed_draws_different_tokens(tiny):
+    """So the equality above is not two samplers ignoring the seed in the same way."""
+    tok, model = tiny
+    a, b = sample(model, tok, "engine", seed=0), sample(model, tok, "engine", seed=1)
+    assert not torch.equal(a["completion_ids"], b["completion_ids"])
+
+
+def test_a_whole_grpo_step_is_the_same_with_either_sampler(tiny):
+    """One full grpo_step per sampler from the same seed and weights: every metric (but the time)
+    and every updated weight are equal."""
+    tok, base = tiny
+
+    def contains_a(completions, **kw):
+        return [float("a" in c) for c in completions]
+
+    results = []
+    for sampler in ("engine", "reference"):
+        policy = copy.deepcopy(base)
+        cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=12, lr=1e-2, sampler=sampler)
+        torch.manual_seed(0)
+        m = grpo.grpo_step(policy, grpo.make_reference(policy), grpo.make_optimizer(policy, cfg),
+                           tok, ["Q1", "Q22"], [contains_a], cfg)
+        m.pop("step_time")
+        results.append((m, policy.state_dict()))
+    (m_fast, w_fast), (m_slow, w_slow) = results
+    assert m_fast == m_slow and m_fast["reward_std"] > 0
+    assert all(torch.equal(w_fast[k], w_slow[k]) for k in w_fast)
+
+
+# --- the engine's shortcuts, pinned ---------------------------------------------------------------
+def test_ready_4d_mask_only_for_full_sdpa_attention(tiny):
+    """The 4D-mask shortcut is for SDPA with full attention only; a sliding window or eager kernel
+    opts out."""
+    _, model = tiny
+    assert engine.sdpa_full_attention(model)
+    sliding = copy.deepcopy(model)
+    sliding.config.sliding_window = 16
+    assert not engine.sdpa_full_attention(sliding)
+    sliding.config.sliding_window = None
+    sliding.config.layer_types = ["full_attention", "sliding_attention"]
+    assert not engine.sdpa_full_attention(sliding)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_each_decode_step_sees_the_logits_of_a_full_forward(tiny, arch):
+    """The logits behind every sampled token (caught by a hook on the output layer) equal one
+    uncached forward over the finished, left-padded sequences. This pins the KV cache, the padding
+    mask (2D or the ready 4D one) and the position ids together. A random tiny model samples the
+    same tokens under small mask errors, so token-level checks cannot see them; this one can."""
+    tok, model = tiny[0], model_for(arch, tiny)
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda mod, inp, out: seen.append(out[:, -1].clone()))
+    cfg = grpo.GRPOConfig(group_size=2, max_new_tokens=8, min_new_tokens=8)
+    torch.manual_seed(0)
+    batch = grpo.sample_completions(model, tok, ["What is 2+3? Then add 17 and 45.", "Hi"], cfg)
+    hook.remove()
+    P, T = batch["prompt_ids"].shape[1], batch["completion_ids"].shape[1]
+    assert len(seen) == T and (batch["prompt_mask"] == 0).sum() >= 2 * 25  # "Hi" behind 25+ pads
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)             # (N, P+T)
+    mask = torch.cat([batch["prompt_mask"], torch.ones_like(batch["completion_ids"])], 1)
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask,
+                     position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits        # (N, P+T, V)
+    for t in range(T):
+        step = seen[0].repeat_interleave(2, 0) if t == 0 else seen[t]  # one prefill per prompt
+        torch.testing.assert_close(step, full[:, P - 1 + t], atol=1e-5, rtol=1e-5)
+
+
+# --- both samplers against transformers' generate() -----------------------------------------------
+@pytest.mark.parametrize("sampler", ["engine", "reference"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sampling_distribution_is_the_one_the_loss_scores(tiny, arch, sampler):
+    """Each sampler draws exactly the tokens transformers' generate() draws from the same seed, and
+    the log-probs generate() sampled from (its processed scores, at temperature 0.7 and with no
+    top-k) equal token_logprobs on the same left-padded sequences. This catches a hidden top_k=50,
+    a temperature mismatch, and (on GPT-2) positions that differ between sampling and scoring."""
+    tok, model = tiny[0], model_for(arch, tiny)
+    cfg = grpo.GRPOConfig(group_size=3, max_new_tokens=12, temperature=0.7, sampler=sampler)
+    torch.manual_seed(0)
+    batch = grpo.sample_completions(model, tok, ["What is 2+3?", "Hi"], cfg)
+    torch.manual_seed(0)
+    out = model.generate(input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"],
+                         do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=12,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         output_scores=True, return_dict_in_generate=True)
+    assert torch.equal(out.sequences[:, batch["prompt_ids"].shape[1]:], batch["completion_ids"])
+    scores = torch.stack(out.scores, 1).log_softmax(-1)                          # (N, T, V)
+    sampled = scores.gather(-1, batch["completion_ids"][..., None]).squeeze(-1)  # (N, T)
+    ours = grpo.token_logprobs(model, batch["prompt_ids"], batch["prompt_mask"],
+                               batch["completion_ids"], batch["completion_mask"], temperature=0.7)
+    m = batch["completion_mask"].bool()
+    torch.testing.assert_close(ours[m], sampled[m], atol=1e-4, rtol=1e-4)
+    # no truncation: at least one sampled token lay outside the top 50 of its distribution
+    rank = scores.argsort(-1, descending=True).argsort(-1)                       # (N, T, V)
+    assert (rank.gather(-1, batch["completion_ids"][..., None]).squeeze(-1)[m] >= 50).any()
+
+
+@pytest.mark.parametrize("sampler", ["engine", "reference"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_and_min_new_tokens_match_generate(tiny, arch, sampler):
+    """Greedy decoding with a length floor: each sampler and generate() give the same tokens."""
+    tok, model = tiny[0], model_for(arch, tiny)
+    cfg = grpo.GRPOConfig(max_new_tokens=10, min_new_tokens=6, sampler=sampler)
+    batch = grpo.sample_completions(model, tok, ["What is 2+3?", "Hi"], cfg, greedy=True,
+                                    group_size=1)
+    out = model.generate(input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"],
+                         do_sample=False, max_new_tokens=10, min_new_tokens=6,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    assert torch.equal(out[:, batch["prompt_ids"].shape[1]:], batch["completion_ids"])
+    assert (batch["completion_mask"].sum(1) >= 6).all()
