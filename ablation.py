@@ -78,7 +78,7 @@ def train_run(out: Path, variant: str, seed: int, common: list[str], threads: in
     return d
 
 
-def settings_of(d: Path) -> tuple[dict, "grpo.GRPOConfig"]:
+def settings_of(d: Path) -> tuple:
     """(train settings, GRPOConfig) a finished train_gsm8k.py run recorded in its summary.json."""
     import grpo
     summary = json.loads((d / "summary.json").read_text())

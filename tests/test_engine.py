@@ -1,8 +1,8 @@
-"""The sampling engine (engine.py) against slow, obvious samplers: grpo.reference_decode (no KV cache,
-the whole sequence every step) and transformers' generate(). Token for token from the same seed, on
-a Llama with SDPA attention (the ready 4D mask), the same Llama on eager attention (the 2D mask) and
-a GPT-2 (absolute positions, so left padding must be handled); and every decode step's logits
-against one uncached forward pass.
+"""The sampling engine (engine.py) against slow, obvious samplers: grpo.reference_decode (no KV
+cache, the whole sequence every step) and transformers' generate(). Token for token from the same
+seed, on a Llama with SDPA attention (the ready 4D mask), the same Llama on eager attention (the 2D
+mask) and a GPT-2 (absolute positions, so left padding must be handled); and every decode step's
+logits against one uncached forward pass.
 
 Needs: torch and transformers only (tiny random models built in memory). CPU, offline, ~15 s.
 """

@@ -5,14 +5,12 @@ Needs: torch and transformers only (the model is a tiny random Llama built in me
 ~15 s.
 """
 
-import copy
 import math
 import statistics
 
 import pytest
 import torch
 
-import engine
 import grpo
 import rewards
 import tiny_world

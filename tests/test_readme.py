@@ -1,30 +1,39 @@
-"""README.md's equation table points at the line of grpo.py that holds each equation, and names
-tests that exist. Needs nothing. Instant. On failure it prints the line the equation is really
-on."""
+"""README.md's equation table names, for each equation, the grpo.py function whose source holds it,
+and tests that exist; every page under docs/ is linked from the README, and every link to a local
+file points at one that exists. Needs nothing. Instant. On failure it says where the equation is.
+"""
 
+import ast
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ROW = re.compile(
-    r"^\| `(?P<eq>[^`]+)`.*?\| \[L(?P<line>\d+)\]\(grpo\.py#L(?P=line)\) \| (?P<tests>.+) \|$"
-)
+README = (ROOT / "README.md").read_text()
+ROW = re.compile(r"^\| `(?P<eq>[^`]+)`.*?\| `(?P<fn>\w+)` \| (?P<tests>.+) \|$")
 
 
 def table_rows():
-    rows = [ROW.match(line) for line in (ROOT / "README.md").read_text().splitlines()]
-    return [r for r in rows if r]
+    return [m for m in map(ROW.match, README.splitlines()) if m]
 
 
-def test_each_equation_is_on_the_line_the_readme_names():
-    grpo_lines = (ROOT / "grpo.py").read_text().splitlines()
+def function_sources() -> dict[str, str]:
+    """grpo.py's top-level functions and classes by name, each as its source text (comments and
+    docstring included)."""
+    text = (ROOT / "grpo.py").read_text()
+    lines = text.splitlines()
+    return {n.name: "\n".join(lines[n.lineno - 1:n.end_lineno]) for n in ast.parse(text).body
+            if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+
+def test_each_equation_is_in_the_function_the_readme_names():
+    sources = function_sources()
     rows = table_rows()
-    assert len(rows) >= 8
+    assert len(rows) >= 10
     for r in rows:
-        eq = r["eq"].replace("\\|", "|")
-        n = int(r["line"])
-        actually = [i + 1 for i, line in enumerate(grpo_lines) if eq in line]
-        assert eq in grpo_lines[n - 1], f"{eq!r} is not on grpo.py line {n}; it is on {actually}"
+        eq, fn = r["eq"].replace("\\|", "|"), r["fn"]
+        assert fn in sources, f"grpo.py has no function {fn}"
+        where = [name for name, src in sources.items() if eq in src]
+        assert eq in sources[fn], f"{eq!r} is not in {fn}; it is in {where}"
 
 
 def test_each_named_test_exists():
@@ -32,3 +41,12 @@ def test_each_named_test_exists():
     for r in table_rows():
         for name in re.findall(r"`(test_\w+)", r["tests"]):
             assert f"def {name}(" in sources, name
+
+
+def test_every_docs_page_is_linked_and_every_local_link_resolves():
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    linked = set(re.findall(r"\(docs/([\w.-]+\.md)\)", README))
+    assert pages and pages == linked, f"not linked: {pages - linked}; missing: {linked - pages}"
+    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text()):
+            assert (doc.parent / target).exists(), f"{doc.name} links to missing {target}"

@@ -1,0 +1,118 @@
+"""The command line generated from config dataclasses (flags.py, on transformers' HfArgumentParser):
+every field type parses, both bool spellings work, --help shows each field's docstring, default and
+preset values, and a bad flag is one line on stderr with exit code 2.
+
+Needs: transformers. Instant, offline.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+import flags
+import train_gsm8k
+
+
+@dataclass
+class Knobs:
+    """A dataclass with every kind of field a config here uses."""
+
+    mode: Literal["fast", "slow"] = "fast"
+    """How to go."""
+    where: Path = Path("runs")
+    """An output folder."""
+    cap: int | None = None
+    """A limit, or none."""
+    weights: list[float] | None = None
+    """Some weights."""
+    loud: bool = True
+    """Print a lot (100% of the time)."""
+    dry: bool = False
+    """Do nothing."""
+    name: str = "x"
+    """A name."""
+
+
+def parse(argv, defaults=None):
+    parser = flags.flag_parser([(Knobs, defaults or {}, "knobs")], {"demo": ({"cap": 7},)}, "test")
+    return vars(parser.parse_args(argv)), parser
+
+
+def test_every_field_type_parses():
+    args, _ = parse(["--mode", "slow", "--where", "/tmp/a", "--cap", "3", "--weights", "1", "0.5",
+                     "--no-loud", "--dry", "--name", "y"])
+    assert args == {"mode": "slow", "where": Path("/tmp/a"), "cap": 3, "weights": [1.0, 0.5],
+                    "loud": False, "dry": True, "name": "y"}
+    args, _ = parse([])
+    assert args == {"mode": "fast", "where": Path("runs"), "cap": None, "weights": None,
+                    "loud": True, "dry": False, "name": "x"}
+
+
+def test_bools_take_both_spellings_whatever_the_default():
+    """--x and --no-x exist for a bool field whether its (preset) default is True or False."""
+    for defaults in ({}, {"loud": False, "dry": True}):
+        assert parse(["--loud", "--no-dry"], defaults)[0] == {
+            **parse([], defaults)[0], "loud": True, "dry": False}
+        assert parse(["--no-loud", "--dry"], defaults)[0]["loud"] is False
+        assert parse(["--no_loud", "--dry", "true"], defaults)[0]["dry"] is True
+
+
+def test_defaults_come_from_the_given_overrides():
+    args, _ = parse([], {"cap": 9, "weights": [2.0]})
+    assert args["cap"] == 9 and args["weights"] == [2.0]
+    args2, _ = parse([], {"cap": 9, "weights": [2.0]})
+    args["weights"].append(3.0)
+    assert args2["weights"] == [2.0]  # each parse gets its own list
+
+
+def test_help_shows_docstrings_defaults_and_presets(capsys):
+    _, parser = parse([])
+    parser.print_help()
+    out = " ".join(capsys.readouterr().out.split())
+    assert "A limit, or none. (default: None; demo: 7)" in out
+    assert "Print a lot (100% of the time)." in out       # a literal % survives argparse
+    assert "{fast,slow}" in out and "--no-dry" in out
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--mode", "medium"], "argument --mode: invalid choice: 'medium'"),
+    (["--cap", "three"], "argument --cap: invalid int value: 'three'"),
+    (["--nope"], "unrecognized arguments: --nope"),
+])
+def test_a_bad_flag_is_one_line_and_exit_code_2(argv, expected, capsys):
+    with pytest.raises(SystemExit) as stop:
+        parse(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and expected in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_configs_own_check_names_the_flag_typed():
+    assert str(flags.config_error(ValueError("group_size must be >= 2, got 1"))) == (
+        "--group-size must be >= 2, got 1")
+
+
+def test_train_gsm8k_help_lists_every_field_with_the_preset_values(capsys):
+    """The real command: every field of both configs is a flag, and --help shows what each preset
+    sets, in one place."""
+    assert train_gsm8k.cli(["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for flag in ("--group-size", "--loss-type", "--sampler", "--warm-start-steps", "--no-bf16",
+                 "--no-scale-rewards", "--reward-weights", "--preset {tiny,qwen2.5-0.5b}"):
+        assert flag in out, flag
+    assert "tiny: 96; qwen2.5-0.5b: 512" in out                  # max_new_tokens in both presets
+    assert "qwen2.5-0.5b: 'Qwen/Qwen2.5-0.5B-Instruct'" in out
+
+
+def test_every_old_flag_spelling_still_parses():
+    """The flags users had before the generated parser: hyphenated names, --no-* for bools."""
+    tcfg, gcfg = train_gsm8k.parse_args(
+        ["--preset", "qwen2.5-0.5b", "--no-bf16", "--no-gradient-checkpointing", "--group-size",
+         "4", "--no-scale-rewards", "--reward-weights", "1", "0", "--clip-eps-high", "0.28",
+         "--importance-sampling-level", "sequence", "--dynamic-sampling", "2", "--threads", "1"])
+    assert (tcfg.bf16, tcfg.gradient_checkpointing, gcfg.scale_rewards) == (False, False, False)
+    assert gcfg.group_size == 4 and gcfg.reward_weights == [1.0, 0.0]
+    assert gcfg.clip_eps_high == 0.28 and gcfg.importance_sampling_level == "sequence"
+    tcfg, _ = train_gsm8k.parse_args(["--bf16", "--gradient-checkpointing"])
+    assert tcfg.bf16 and tcfg.gradient_checkpointing and tcfg.preset == "tiny"
