@@ -61,22 +61,13 @@ def main(steps: int = 200, seed: int = 0, log=print) -> list[float]:
     rows, history = make_rows(steps * 16, seed), []
     for step in range(steps):
         batch = rows[step * 16:(step + 1) * 16]
-        m = grpo.grpo_step(
-            model,
-            ref,
-            opt,
-            tok,
-            [r["prompt"] for r in batch],
-            [reversal_reward],
-            cfg,
-            columns={"target": [r["target"] for r in batch]},
-        )
+        m = grpo.grpo_step(model, ref, opt, tok, [r["prompt"] for r in batch], [reversal_reward],
+                           cfg,
+                           columns={"target": [r["target"] for r in batch]})
         history.append(m["reward"])
         if (step + 1) % 25 == 0:
-            log(
-                f"step {step + 1:4d}  reward {sum(history[-25:]) / 25:.3f}  "
-                f"entropy {m['entropy']:.3f}"
-            )
+            log(f"step {step + 1:4d}  reward {sum(history[-25:]) / 25:.3f}  "
+                f"entropy {m['entropy']:.3f}")
 
     test = make_rows(5, seed=seed + 1)
     greedy = grpo.sample_completions(model, tok, [r["prompt"] for r in test],

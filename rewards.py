@@ -100,9 +100,8 @@ def _answer_tags(text: str) -> list[str]:
     """The contents of every <answer>...</answer> (case-insensitive). str.find, so linear even for
     thousands of unclosed tags (a lazy regex would rescan the rest of the text from each one)."""
     lower, contents, start = text.lower(), [], 0
-    while (i := lower.find("<answer>", start)) != -1 and (
-        j := lower.find("</answer>", i + 8)
-    ) != -1:
+    while (i := lower.find("<answer>", start)) != -1 and (j := lower.find("</answer>",
+                                                                          i + 8)) != -1:
         contents.append(text[i + 8: j])
         start = j + 9
     return contents
@@ -127,11 +126,8 @@ def completion_text(completion) -> str:
     if isinstance(completion, str):
         return completion
     if isinstance(completion, (list, tuple)) and completion:
-        content = (
-            completion[-1].get("content", "")
-            if isinstance(completion[-1], dict)
-            else completion[-1]
-        )
+        content = completion[-1].get("content", "") if isinstance(completion[-1],
+                                                                  dict) else completion[-1]
         if isinstance(content, list):  # multi-part content: [{"type": "text", "text": ...}, ...]
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
         return content if isinstance(content, str) else ""
@@ -158,9 +154,8 @@ def extract_answer(text: str) -> Decimal | None:
     stated = [m for m in (_NUMBER.match(text, a.end()) for a in _ANSWER_IS.finditer(text)) if m]
     if stated:
         values = {_value(m) for m in stated}
-        return (
-            values.pop() if len(values) == 1 and not any(_listed(text, m) for m in stated) else None
-        )
+        return values.pop() if len(values) == 1 and not any(_listed(text,
+                                                                    m) for m in stated) else None
     # Last resort: the last number in the text, unless it ends a list.
     last = None
     for last in _NUMBER.finditer(text):
@@ -211,11 +206,8 @@ def format_reward(completions, **kwargs) -> list[float]:
             out.append(0.0)
             continue
         last_line = text.rsplit("\n", 1)[-1].strip()
-        ok = (
-            text.count("####") == 1
-            and last_line.startswith("####")
-            and _NUMBER.fullmatch(last_line[4:].strip())
-        )
+        ok = (text.count("####") == 1 and last_line.startswith("####")
+              and _NUMBER.fullmatch(last_line[4:].strip()))
         out.append(1.0 if ok else 0.0)
     return out
 
@@ -281,9 +273,8 @@ def annotation_is_right(expression: str, stated: str) -> bool:
     return abs(value - Fraction(shown)) <= (Fraction(1, 10 ** decimals) if decimals else 0)
 
 
-def calculator_process_reward(
-    completions, answer, prompts=None, question=None, **kwargs
-) -> list[list[tuple]]:
+def calculator_process_reward(completions, answer, prompts=None, question=None,
+                              **kwargs) -> list[list[tuple]]:
     """Step rewards for process supervision (grpo.GRPOConfig.supervision = "process", paper §4.1.3).
 
     For each completion, a list of (end, reward) pairs in the order the steps were written: one per
@@ -298,13 +289,9 @@ def calculator_process_reward(
     for c, final in zip(completions, outcome):
         text = completion_text(c)
         annotations = _ANNOTATION.finditer(text) if len(text) <= MAX_CHARS else []
-        steps.append(
-            [
-                (m.end(), 1.0 if annotation_is_right(m.group(1), m.group(2)) else 0.0)
-                for m in annotations
-            ]
-            + [(len(text), final)]
-        )
+        calc = [(m.end(), 1.0 if annotation_is_right(m.group(1), m.group(2)) else 0.0)
+                for m in annotations]
+        steps.append(calc + [(len(text), final)])
     return steps
 
 

@@ -63,10 +63,10 @@ def char_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     # every char alone
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()  # join with no spaces
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK
-    )
+    tok.decoder = decoders.Fuse()                                              # join with no spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, bos_token=BOS,
+                                   eos_token=EOS,
+                                   unk_token=UNK)
 
 
 def tiny_llama(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, ffn: int | None = None,
@@ -94,16 +94,11 @@ def tiny_llama(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, ffn
 # GSM8K-style word problems
 # ----------------------------------------------------------------------------------------------
 NAMES = ["Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Ben", "Lily", "Omar", "Nina", "Raj"]
-ITEMS = [
-    "apples", "pens", "cards", "books", "shells", "stamps", "marbles", "cookies", "stickers",
-    "beads", "eggs", "coins",
-]
-OPS = {
-    "+": lambda a, b: a + b,
-    "-": lambda a, b: a - b,
-    "*": lambda a, b: a * b,
-    "/": lambda a, b: a // b,
-}
+ITEMS = ["apples", "pens", "cards", "books", "shells", "stamps", "marbles", "cookies", "stickers",
+         "beads",
+         "eggs", "coins"]
+OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a,
+       b: a // b}
 P = "prev"  # in a step, stands for the result of the step before
 
 
@@ -126,16 +121,15 @@ def _templates(r: random.Random):
     if k == 2:
         return f"{n} buys {b} boxes of {c} {items}. How many {items}?", [(b, "*", c)]
     if k == 3:
-        return f"{n} splits {b * c} {items} into {b} equal bags. How many per bag?", [
-            (b * c, "/", b)
-        ]
+        return f"{n} splits {b * c} {items} into {b} equal bags. How many per bag?", [(b * c, "/",
+                                                                                       b)]
     if k == 4:
         return f"There are {b} rows of {c} {items}. How many {items}?", [(b, "*", c)]
     if k == 5:
-        return f"{n} has {a} {items} and buys {b} packs of {c}. How many {items} now?", [
-            (b, "*", c),
-            (a, "+", P),
-        ]
+        return f"{n} has {a} {items} and buys {b} packs of {c}. How many {items} now?", [(b, "*",
+                                                                                          c),
+                                                                                          (a, "+",
+                                                                                           P)]
     if k == 6:
         return (f"{n} buys {b} boxes of {c} {items} and gives {e} to {m}. How many are left?",
                 [(b, "*", c), (P, "-", e)])
@@ -143,17 +137,12 @@ def _templates(r: random.Random):
         return (f"{n} has {a} {items}, finds {d} more and loses {e}. How many {items} now?",
                 [(a, "+", d), (P, "-", e)])
     if k == 8:
-        return (
-            f"{n} has {c * e + d} {items}, gives away {d} and shares the rest among {c} friends. "
-            f"How many each?",
-            [(c * e + d, "-", d), (P, "/", c)],
-        )
+        return (f"{n} has {c * e + d} {items}, gives away {d} and shares the rest among {c} "
+                f"friends. How many each?", [(c * e + d, "-", d), (P, "/", c)])
     if k == 9:
-        return (
-            f"{n} reads {b} pages a day for {c} days. The book has {a + b * c} pages. "
-            "How many are left?",
-            [(b, "*", c), (a + b * c, "-", P)],
-        )
+        return (f"{n} reads {b} pages a day for {c} days. The book has {a + b * c} pages. "
+                f"How many are left?",
+                [(b, "*", c), (a + b * c, "-", P)])
     if k == 10:
         return (f"{n} has {b} bags of {c} {items} and {m} has {e} bags. How many {items} in all?",
                 [(b, "+", e), (P, "*", c)])
@@ -162,11 +151,8 @@ def _templates(r: random.Random):
                 [(b, "*", c), (a, "+", P), (P, "-", d)])
     if k == 12:
         pay = (b + c) * e + r.randint(1, 30)
-        return (
-            f"{items.capitalize()} cost ${e} each. {n} buys {b} and {m} buys {c}. They pay ${pay}. "
-            f"How much change?",
-            [(b, "+", c), (P, "*", e), (pay, "-", P)],
-        )
+        return (f"{items.capitalize()} cost ${e} each. {n} buys {b} and {m} buys {c}. "
+                f"They pay ${pay}. How much change?", [(b, "+", c), (P, "*", e), (pay, "-", P)])
     spent = r.randint(1, b * c - 1)
     return (f"{n} earns ${b} an hour for {c} hours and spends ${spent}. How much is left?",
             [(b, "*", c), (P, "-", spent)])
@@ -198,9 +184,8 @@ def split_of(question: str) -> str:
     return "test" if int(hashlib.sha256(question.encode()).hexdigest(), 16) % 10 == 0 else "train"
 
 
-def make_problems(
-    n: int, split: str = "train", seed: int = 0, slip_rate: float = 0.0
-) -> list[dict]:
+def make_problems(n: int, split: str = "train", seed: int = 0,
+                  slip_rate: float = 0.0) -> list[dict]:
     """n distinct problems of one split, as GSM8K rows: {"question", "answer"} (answer = full
     solution).
 
@@ -210,12 +195,8 @@ def make_problems(
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     # WHY two generators: the same seed gives the same questions whatever the slip rate.
-    r, slips, seen, rows = (
-        random.Random(f"{split}-{seed}"),
-        random.Random(f"slips-{split}-{seed}"),
-        set(),
-        [],
-    )
+    r, slips = random.Random(f"{split}-{seed}"), random.Random(f"slips-{split}-{seed}")
+    seen, rows = set(), []
     while len(rows) < n:
         question, steps = _templates(r)
         if question in seen or split_of(question) != split:
@@ -272,9 +253,8 @@ def supervised_loss(model, tokenizer, rows: list[dict]) -> torch.Tensor:
     tokens are masked."""
     prompts = [prompt_of(r["question"]) for r in rows]
     texts = [p + r["answer"] + tokenizer.eos_token for p, r in zip(prompts, rows)]
-    enc = tokenizer(
-        texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
-    )
+    enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right",
+                    add_special_tokens=False)
     labels = enc["input_ids"].clone()                                              # (n, L)
     labels[enc["attention_mask"] == 0] = -100
     for i, p in enumerate(prompts):
@@ -283,9 +263,18 @@ def supervised_loss(model, tokenizer, rows: list[dict]) -> torch.Tensor:
     return model(**enc, labels=labels).loss
 
 
-def warm_start(
-    cfg: WarmStartConfig = WarmStartConfig(), cache_dir: Path | None = None, log=print
-) -> Path:
+def supervised_step(model, tokenizer, opt, rows: list[dict]) -> torch.Tensor:
+    """One AdamW step on supervised_loss over `rows`, the gradient norm clipped to 1; the loss."""
+    loss = supervised_loss(model, tokenizer, rows)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
+
+
+def warm_start(cfg: WarmStartConfig = WarmStartConfig(), cache_dir: Path | None = None,
+               log=print) -> Path:
     """Train (or reuse) the supervised warm start; return its `save_pretrained` directory.
 
     The directory name is a hash of `cfg`, so each setting is built once. It is written to a
@@ -299,29 +288,22 @@ def warm_start(
         return out
 
     tokenizer = char_tokenizer()
-    model = tiny_llama(
-        tokenizer, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads, seed=cfg.seed
-    )
+    model = tiny_llama(tokenizer, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
+                       seed=cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
     warmup = max(1, cfg.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg.steps)))))
-    rows = make_problems(
-        cfg.steps * cfg.batch_size, "train", seed=cfg.seed, slip_rate=cfg.slip_rate
-    )
+    rows = make_problems(cfg.steps * cfg.batch_size, "train", seed=cfg.seed,
+                         slip_rate=cfg.slip_rate)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"warm start: {n_params / 1e6:.2f} M parameters, {cfg.steps} supervised steps -> {out}")
     t0 = time.perf_counter()
     model.train()
     bar = tqdm(range(cfg.steps), desc="warm start", unit="step", leave=False)
     for step in bar:
-        loss = supervised_loss(
-            model, tokenizer, rows[step * cfg.batch_size : (step + 1) * cfg.batch_size]
-        )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        batch = rows[step * cfg.batch_size:(step + 1) * cfg.batch_size]
+        loss = supervised_step(model, tokenizer, opt, batch)
         sched.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
@@ -332,14 +314,9 @@ def warm_start(
     return out
 
 
-def more_supervised_steps(
-    model,
-    tokenizer,
-    seconds: float,
-    cfg: WarmStartConfig = WarmStartConfig(),
-    lr: float | None = None,
-    seed: int = 1,
-) -> int:
+def more_supervised_steps(model, tokenizer, seconds: float,
+                          cfg: WarmStartConfig = WarmStartConfig(),
+                          lr: float | None = None, seed: int = 1) -> int:
     """Keep training `model` on the warm start's (slipped) text for `seconds` of wall time; return
     the number of steps taken. The control for "what RL adds beyond imitation": the same time spent
     imitating instead. lr defaults to where the warm start's schedule ended (10% of its peak)."""
@@ -351,16 +328,10 @@ def more_supervised_steps(
     start, step = time.perf_counter(), 0
     while time.perf_counter() - start < seconds:
         if (step + 1) * cfg.batch_size > len(rows):
-            rows += make_problems(
-                64 * cfg.batch_size, "train", seed=seed + 1000 + step, slip_rate=cfg.slip_rate
-            )
-        loss = supervised_loss(
-            model, tokenizer, rows[step * cfg.batch_size : (step + 1) * cfg.batch_size]
-        )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+            rows += make_problems(64 * cfg.batch_size, "train", seed=seed + 1000 + step,
+                                  slip_rate=cfg.slip_rate)
+        batch = rows[step * cfg.batch_size:(step + 1) * cfg.batch_size]
+        supervised_step(model, tokenizer, opt, batch)
         step += 1
     model.eval()
     return step

@@ -41,17 +41,9 @@ from vs_trl import build_model, peak_rss_mb, rows_for  # noqa: E402
 PARTS = ("generation", "no-grad log-probs", "train fwd+bwd", "optimizer", "everything else")
 
 
-def profile(
-    model_dir: str,
-    group_size: int,
-    prompts: int,
-    tokens: int,
-    steps: int,
-    warmup: int,
-    threads: int,
-    beta: float = 0.04,
-    num_iterations: int = 1,
-) -> dict:
+def profile(model_dir: str, group_size: int, prompts: int, tokens: int, steps: int, warmup: int,
+            threads: int,
+            beta: float = 0.04, num_iterations: int = 1) -> dict:
     """Median seconds per step for each part, over `steps` steps after `warmup`, plus the peak
     RSS."""
     import torch
@@ -61,18 +53,12 @@ def profile(
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    policy = grpo.disable_dropout(
-        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    )
-    cfg = grpo.GRPOConfig(
-        group_size=group_size,
-        max_new_tokens=tokens,
-        min_new_tokens=tokens,
-        beta=beta,
-        num_iterations=num_iterations,
-        lr=1e-4,
-        micro_batch_size=prompts * group_size,
-    )
+    policy = grpo.disable_dropout(AutoModelForCausalLM.from_pretrained(model_dir,
+                                                                       dtype=torch.float32))
+    cfg = grpo.GRPOConfig(group_size=group_size, max_new_tokens=tokens, min_new_tokens=tokens,
+                          beta=beta,
+                          num_iterations=num_iterations, lr=1e-4,
+                          micro_batch_size=prompts * group_size)
     ref = grpo.make_reference(policy) if beta else None
     opt = grpo.make_optimizer(policy, cfg)
 
@@ -93,8 +79,7 @@ def profile(
     grpo.sample_completions = timed("generation", real_sample)
     grpo.token_logprobs = timed(
         lambda *a: "train fwd+bwd" if torch.is_grad_enabled() else "no-grad log-probs",
-        real_logprobs,
-    )
+        real_logprobs)
     grpo.grpo_loss = timed("train fwd+bwd", real_loss)
     opt.step = timed("optimizer", opt.step)
     opt.zero_grad = timed("optimizer", opt.zero_grad)
@@ -110,16 +95,9 @@ def profile(
                 spent[k] = 0.0
             batch = rows[step * prompts:(step + 1) * prompts]
             t = time.perf_counter()
-            grpo.grpo_step(
-                policy,
-                ref,
-                opt,
-                tok,
-                [r["prompt"] for r in batch],
-                [rewards.correctness_reward],
-                cfg,
-                columns={"answer": [r["answer"] for r in batch]},
-            )
+            grpo.grpo_step(policy, ref, opt, tok, [r["prompt"] for r in batch],
+                           [rewards.correctness_reward], cfg,
+                           columns={"answer": [r["answer"] for r in batch]})
             total = time.perf_counter() - t
             if step >= warmup:
                 for k in PARTS[:-1]:
@@ -127,11 +105,8 @@ def profile(
                 per_step["everything else"].append(total - sum(spent[k] for k in PARTS[:-1]))
                 per_step["total"].append(total)
     finally:
-        grpo.sample_completions, grpo.token_logprobs, grpo.grpo_loss = (
-            real_sample,
-            real_logprobs,
-            real_loss,
-        )
+        grpo.sample_completions, grpo.token_logprobs = real_sample, real_logprobs
+        grpo.grpo_loss = real_loss
         torch.Tensor.backward = real_backward
     out = {k: statistics.median(v) for k, v in per_step.items()}
     out["peak_rss_mb"] = peak_rss_mb()
@@ -151,11 +126,10 @@ def fit_exponents(rows: list[dict]) -> dict:
     "params": g}."""
     import math
     import torch
-
-    X = torch.tensor(
-        [[1.0, *(math.log(r[k]) for k in ("group_size", "tokens", "parameters"))] for r in rows],
-        dtype=torch.float64,
-    )                                        # (rows, 4)
+    X = torch.tensor([[1.0,
+                       *(math.log(r[k]) for k in ("group_size", "tokens",
+                                                  "parameters"))] for r in rows],
+                     dtype=torch.float64)                                        # (rows, 4)
     y = torch.tensor([[math.log(r["total"])] for r in rows], dtype=torch.float64)  # (rows, 1)
     coef = torch.linalg.lstsq(X, y).solution.flatten().tolist()
     return {"G": coef[1], "tokens": coef[2], "params": coef[3]}
@@ -163,26 +137,21 @@ def fit_exponents(rows: list[dict]) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-    p.add_argument(
-        "--hidden", type=int, default=64, help="model width for the profile (default 64)"
-    )
-    p.add_argument(
-        "--layers", type=int, default=2, help="transformer blocks for the profile (default 2)"
-    )
-    p.add_argument(
-        "--group-size", type=int, default=4, help="G, completions per prompt (default 4)"
-    )
+    p.add_argument("--hidden", type=int, default=64,
+                   help="model width for the profile (default 64)")
+    p.add_argument("--layers", type=int, default=2,
+                   help="transformer blocks for the profile (default 2)")
+    p.add_argument("--group-size", type=int, default=4,
+                   help="G, completions per prompt (default 4)")
     p.add_argument("--prompts", type=int, default=2, help="prompts per step (default 2)")
     p.add_argument("--tokens", type=int, default=32, help="completion length, forced (default 32)")
     p.add_argument("--steps", type=int, default=10, help="measured steps (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="unmeasured first steps (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    p.add_argument(
-        "--scaling", action="store_true", help="the scaling table instead of one profile"
-    )
-    p.add_argument(
-        "--repeats", type=int, default=3, help="--scaling: sweeps over all settings (default 3)"
-    )
+    p.add_argument("--scaling", action="store_true",
+                   help="the scaling table instead of one profile")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="--scaling: sweeps over all settings (default 3)")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # a model dir: profile once, print JSON
     a = p.parse_args(argv)
     import grpo
@@ -195,23 +164,18 @@ def main(argv=None):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     if a.worker:
-        print(
-            json.dumps(
-                profile(a.worker, a.group_size, a.prompts, a.tokens, a.steps, a.warmup, a.threads)
-            )
-        )
+        print(json.dumps(profile(a.worker, a.group_size, a.prompts, a.tokens, a.steps, a.warmup,
+                                 a.threads)))
         return None
     if not a.scaling:
         with tempfile.TemporaryDirectory() as tmp:
             build_model(Path(tmp), a.hidden, a.layers, 4)
             with contextlib.redirect_stdout(sys.stderr):
                 res = profile(tmp, a.group_size, a.prompts, a.tokens, a.steps, a.warmup, a.threads)
-        print_profile(
-            res,
-            f"One grpo_step, llama hidden {a.hidden} x {a.layers} layers "
-            f"({res['parameters'] / 1e6:.2f} M), G={a.group_size}, {a.prompts} prompts, "
-            f"{a.tokens} tokens, {a.threads} thread(s), median of {a.steps} steps",
-        )
+        print_profile(res, f"One grpo_step, llama hidden {a.hidden} x {a.layers} layers "
+                           f"({res['parameters'] / 1e6:.2f} M), G={a.group_size}, "
+                           f"{a.prompts} prompts, "
+                           f"{a.tokens} tokens, {a.threads} thread(s), median of {a.steps} steps")
         print(json.dumps(res))
         return res
 
@@ -230,66 +194,39 @@ def main(argv=None):
                 model_dir = Path(tmp) / f"h{hidden}l{layers}"
                 if not model_dir.exists():
                     build_model(model_dir, hidden, layers, 4)
-                cmd = [
-                    sys.executable,
-                    __file__,
-                    "--worker",
-                    str(model_dir),
-                    "--group-size",
-                    str(G),
-                    "--prompts",
-                    str(a.prompts),
-                    "--tokens",
-                    str(T),
-                    "--steps",
-                    str(a.steps),
-                    "--warmup",
-                    str(a.warmup),
-                    "--threads",
-                    str(a.threads),
-                ]
+                cmd = [sys.executable, __file__, "--worker", str(model_dir), "--group-size", str(G),
+                       "--prompts",
+                       str(a.prompts), "--tokens", str(T), "--steps", str(a.steps), "--warmup",
+                       str(a.warmup),
+                       "--threads", str(a.threads)]
                 env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
                 if proc.returncode != 0:
-                    raise SystemExit(
-                        f"error: setting G={G} T={T} h={hidden} failed:\n{proc.stderr[-2000:]}"
-                    )
+                    raise SystemExit(f"error: setting G={G} T={T} h={hidden} failed:\n"
+                                     f"{proc.stderr[-2000:]}")
                 runs[i].append(json.loads(proc.stdout.strip().splitlines()[-1]))
                 print(f"repeat {rep + 1}/{a.repeats} G={G} T={T} hidden={hidden}x{layers}: "
                       f"{runs[i][-1]['total']:.3f} s/step", file=sys.stderr)
-    rows = [
-        {
-            "group_size": G,
-            "tokens": T,
-            "hidden": hidden,
-            "layers": layers,
-            **{k: statistics.median(r[k] for r in reps) for k in (*PARTS, "total")},
-            "peak_rss_mb": max(r["peak_rss_mb"] for r in reps),
-            "parameters": reps[0]["parameters"],
-        }
-        for (G, T, (hidden, layers)), reps in zip(settings, runs)
-    ]
+    rows = [{"group_size": G, "tokens": T, "hidden": hidden, "layers": layers,
+             **{k: statistics.median(r[k] for r in reps) for k in (*PARTS, "total")},
+             "peak_rss_mb": max(r["peak_rss_mb"] for r in reps),
+             "parameters": reps[0]["parameters"]}
+            for (G, T, (hidden, layers)), reps in zip(settings, runs)]
     print(f"\nScaling, {a.prompts} prompts/step, {a.threads} thread(s), median of {a.steps} steps, "
           f"then the median over {a.repeats} sweeps\n")
-    print(
-        "| G | tokens | model (params) | s/step | generation | train fwd+bwd | other parts "
-        "| peak RSS (MB) |"
-    )
+    print("| G | tokens | model (params) | s/step | generation | train fwd+bwd | other parts "
+          "| peak RSS (MB) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         rest = r["no-grad log-probs"] + r["optimizer"] + r["everything else"]
-        print(
-            f"| {r['group_size']} | {r['tokens']} | "
-            f"{r['hidden']}x{r['layers']} ({r['parameters'] / 1e6:.2f} M) | "
-            f"{r['total']:.3f} | {100 * r['generation'] / r['total']:.0f}% | "
-            f"{100 * r['train fwd+bwd'] / r['total']:.0f}% | {100 * rest / r['total']:.0f}% | "
-            f"{r['peak_rss_mb']:.0f} |"
-        )
+        print(f"| {r['group_size']} | {r['tokens']} | "
+              f"{r['hidden']}x{r['layers']} ({r['parameters'] / 1e6:.2f} M) | "
+              f"{r['total']:.3f} | {100 * r['generation'] / r['total']:.0f}% | "
+              f"{100 * r['train fwd+bwd'] / r['total']:.0f}% | {100 * rest / r['total']:.0f}% | "
+              f"{r['peak_rss_mb']:.0f} |")
     exps = fit_exponents(rows)
-    print(
-        f"\nFit: s/step ∝ G^{exps['G']:.2f} · tokens^{exps['tokens']:.2f} · "
-        f"params^{exps['params']:.2f}"
-    )
+    print(f"\nFit: s/step ∝ G^{exps['G']:.2f} · tokens^{exps['tokens']:.2f} · "
+          f"params^{exps['params']:.2f}")
     print(json.dumps({"rows": rows, "exponents": exps}))
     return rows, exps
 

@@ -53,20 +53,11 @@ sys.path.insert(0, str(ROOT))
 
 # Qwen2.5-0.5B's architecture, from its config.json (the weights here are random: the hub is not
 # needed).
-QWEN25_05B = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    hidden_act="silu",
-    max_position_embeddings=32768,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    use_sliding_window=False,
-    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-)
+QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, hidden_act="silu",
+                  max_position_embeddings=32768,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
 
 
 def build_model(path: Path, hidden: int, layers: int, heads: int, arch: str = "llama"):
@@ -82,14 +73,9 @@ def build_model(path: Path, hidden: int, layers: int, heads: int, arch: str = "l
         # NOTE: the character tokenizer's ids all lie inside Qwen's 151,936-entry vocabulary, so the
         #       model's embedding and output layer keep their real size, and with them the logits'
         #       memory.
-        model = Qwen2ForCausalLM(
-            Qwen2Config(
-                **QWEN25_05B,
-                bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id,
-            )
-        )
+        model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B, bos_token_id=tok.bos_token_id,
+                                             eos_token_id=tok.eos_token_id,
+                                             pad_token_id=tok.pad_token_id))
     else:
         model = tiny_world.tiny_llama(tok, hidden=hidden, layers=layers, heads=heads, seed=0)
     model.save_pretrained(path)
@@ -131,16 +117,10 @@ def grpo_config(a):
     """Our side's config; main() also builds it first, so a bad value is GRPOConfig's one-line
     error."""
     import grpo
-
-    return grpo.GRPOConfig(
-        group_size=a.group_size,
-        max_new_tokens=a.tokens,
-        min_new_tokens=a.tokens,
-        beta=a.beta,
-        num_iterations=a.num_iterations,
-        lr=a.lr,
-        micro_batch_size=a.prompts * a.group_size,
-    )
+    return grpo.GRPOConfig(group_size=a.group_size, max_new_tokens=a.tokens,
+                           min_new_tokens=a.tokens, beta=a.beta,
+                           num_iterations=a.num_iterations, lr=a.lr,
+                           micro_batch_size=a.prompts * a.group_size)
 
 
 def run_ours(a) -> dict:
@@ -151,34 +131,25 @@ def run_ours(a) -> dict:
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(a.model_dir)
-    policy = grpo.disable_dropout(
-        AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32)
-    )
+    policy = grpo.disable_dropout(AutoModelForCausalLM.from_pretrained(a.model_dir,
+                                                                       dtype=torch.float32))
     policy = policy.to(a.device)
     cfg = grpo_config(a)
     ref = grpo.make_reference(policy) if a.beta else None
     opt = grpo.make_optimizer(policy, cfg)
     rows = rows_for(a.steps * a.prompts)
     # WHY: fp32 weights with bf16 autocast, as train_gsm8k.py --bf16 and TRL's bf16=True both do.
-    autocast = torch.autocast(
-        device_type=a.device.split(":")[0], dtype=torch.bfloat16, enabled=a.bf16
-    )
+    autocast = torch.autocast(device_type=a.device.split(":")[0], dtype=torch.bfloat16,
+                              enabled=a.bf16)
     times = []
     for step in range(a.steps):
         batch = rows[step * a.prompts:(step + 1) * a.prompts]
         sync(a.device)
         t = time.perf_counter()
         with autocast:
-            grpo.grpo_step(
-                policy,
-                ref,
-                opt,
-                tok,
-                [r["prompt"] for r in batch],
-                [rewards.correctness_reward],
-                cfg,
-                columns={"answer": [r["answer"] for r in batch]},
-            )
+            grpo.grpo_step(policy, ref, opt, tok, [r["prompt"] for r in batch],
+                           [rewards.correctness_reward], cfg,
+                           columns={"answer": [r["answer"] for r in batch]})
         sync(a.device)
         times.append(time.perf_counter() - t)
     return {"step_times": times, **peaks(a.device)}
@@ -207,45 +178,22 @@ def run_trl(a) -> dict:
 
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
-            output_dir=out,
-            report_to="none",
-            use_cpu=a.device == "cpu",
-            bf16=a.bf16,
-            fp16=False,
+            output_dir=out, report_to="none", use_cpu=a.device == "cpu", bf16=a.bf16, fp16=False,
             seed=0,
-            max_steps=a.steps,
-            per_device_train_batch_size=a.prompts * a.group_size,
+            max_steps=a.steps, per_device_train_batch_size=a.prompts * a.group_size,
             gradient_accumulation_steps=1,
-            num_generations=a.group_size,
-            max_completion_length=a.tokens,
-            generation_kwargs={"min_new_tokens": a.tokens},
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            beta=a.beta,
-            num_iterations=a.num_iterations,
-            loss_type="grpo",
-            scale_rewards="group",
-            learning_rate=a.lr,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            weight_decay=0.0,
+            num_generations=a.group_size, max_completion_length=a.tokens,
+            generation_kwargs={"min_new_tokens": a.tokens}, temperature=1.0, top_k=0, top_p=1.0,
+            beta=a.beta, num_iterations=a.num_iterations, loss_type="grpo", scale_rewards="group",
+            learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
             max_grad_norm=1.0,
-            logging_steps=1,
-            save_strategy="no",
-            shuffle_dataset=False,
-            dataloader_num_workers=0,
-            disable_dropout=True,
-            log_completions=False,
+            logging_steps=1, save_strategy="no", shuffle_dataset=False, dataloader_num_workers=0,
+            disable_dropout=True, log_completions=False,
         )
-        trainer = GRPOTrainer(
-            model=model,
-            reward_funcs=[rewards.correctness_reward],
-            args=args,
-            train_dataset=Dataset.from_list(rows_for(a.steps * a.prompts)),
-            processing_class=tok,
-            callbacks=[StepTimer()],
-        )
+        trainer = GRPOTrainer(model=model, reward_funcs=[rewards.correctness_reward], args=args,
+                              train_dataset=Dataset.from_list(rows_for(a.steps * a.prompts)),
+                              processing_class=tok,
+                              callbacks=[StepTimer()])
         trainer.train()
     return {"step_times": times, **peaks(a.device)}
 
@@ -255,10 +203,9 @@ def run_trl(a) -> dict:
 # ----------------------------------------------------------------------------------------------
 def worker_cmd(a, side: str, model_dir: Path) -> list[str]:
     flags = ["--worker", side, "--model-dir", str(model_dir)]
-    for k in (
-        "threads", "group_size", "prompts", "tokens", "steps", "warmup", "beta", "num_iterations",
-        "lr", "device",
-    ):
+    for k in ("threads", "group_size", "prompts", "tokens", "steps", "warmup", "beta",
+              "num_iterations", "lr",
+              "device"):
         flags += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     return [sys.executable, __file__, *flags, *(["--bf16"] if a.bf16 else [])]
 
@@ -268,65 +215,35 @@ def run_worker(cmd: list[str]) -> dict:
            "OMP_NUM_THREADS": cmd[cmd.index("--threads") + 1]}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0:
-        raise SystemExit(
-            f"error: the {cmd[cmd.index('--worker') + 1]} worker failed:\n{proc.stderr[-3000:]}"
-        )
+        worker = cmd[cmd.index("--worker") + 1]
+        raise SystemExit(f"error: the {worker} worker failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--arch",
-        choices=["llama", "qwen2.5-0.5b"],
-        default="llama",
-        help="llama: a tiny_world Llama sized by --hidden/--layers/--heads (default); "
-        "qwen2.5-0.5b: "
-        "Qwen2.5-0.5B's exact architecture with random weights (for a GPU)",
-    )
+    p.add_argument("--arch", choices=["llama", "qwen2.5-0.5b"], default="llama",
+                   help="llama: a tiny_world Llama sized by --hidden/--layers/--heads (default); "
+                        "qwen2.5-0.5b: Qwen2.5-0.5B's exact architecture with random weights "
+                        "(for a GPU)")
     p.add_argument("--hidden", type=int, default=64, help="model width (default 64)")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
     p.add_argument("--threads", type=int, default=1, help="torch threads on each side (default 1)")
-    p.add_argument(
-        "--group-size", type=int, default=4, help="G, completions per prompt (default 4)"
-    )
+    p.add_argument("--group-size", type=int, default=4, help="G per prompt (default 4)")
     p.add_argument("--prompts", type=int, default=2, help="prompts per step (default 2)")
-    p.add_argument(
-        "--tokens",
-        type=int,
-        default=32,
-        help="completion length, forced on both sides (default 32)",
-    )
+    p.add_argument("--tokens", type=int, default=32, help="forced completion length (default 32)")
     p.add_argument("--steps", type=int, default=12, help="steps per side per round (default 12)")
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=2,
-        help="first steps of each round left out of the median (default 2)",
-    )
+    p.add_argument("--warmup", type=int, default=2, help="steps left out of a round (default 2)")
     p.add_argument("--rounds", type=int, default=5, help="alternating ours/TRL rounds (default 5)")
-    p.add_argument(
-        "--beta",
-        type=float,
-        default=0.04,
-        help="KL weight on both sides (default 0.04, the paper's)",
-    )
+    p.add_argument("--beta", type=float, default=0.04, help="KL weight (default 0.04, the paper's)")
     p.add_argument("--num-iterations", type=int, default=1, help="μ on both sides (default 1)")
-    p.add_argument(
-        "--lr", type=float, default=1e-4, help="learning rate on both sides (default 1e-4)"
-    )
-    p.add_argument(
-        "--device",
-        default="cpu",
-        help="cpu (default) or cuda; on cuda peak GPU memory is reported too",
-    )
-    p.add_argument(
-        "--bf16",
-        action="store_true",
-        help="bf16 autocast over fp32 weights on both sides (default fp32)",
-    )
+    p.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (default) or cuda; on cuda peak GPU memory is reported too")
+    p.add_argument("--bf16", action="store_true",
+                   help="bf16 autocast over fp32 weights on both sides (default fp32)")
     p.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -346,10 +263,8 @@ def main(argv=None):
     try:
         import trl
     except ImportError:
-        print(
-            "TRL is not installed (pip install -r benchmarks/requirements.txt); "
-            "nothing to compare against."
-        )
+        print("TRL is not installed (pip install -r benchmarks/requirements.txt); "
+              "nothing to compare against.")
         return None
     import platform
     import torch
@@ -359,9 +274,8 @@ def main(argv=None):
 
     with tempfile.TemporaryDirectory() as tmp:
         if a.device.startswith("cuda") and not torch.cuda.is_available():
-            raise SystemExit(
-                f"error: --device {a.device}, but torch {torch.__version__} sees no CUDA GPU"
-            )
+            raise SystemExit(f"error: --device {a.device}, but torch {torch.__version__} "
+                             f"sees no CUDA GPU")
         n_params = build_model(Path(tmp) / "model", a.hidden, a.layers, a.heads, a.arch)
         runs = {"ours": [], "trl": []}
         for r in range(a.rounds):
@@ -383,53 +297,36 @@ def main(argv=None):
     # WHY: the two sides of a round ran back to back, so the spread of the per-round ratios shows
     #      the timing noise.
     round_ratios = [median_step(o) / median_step(t) for o, t in zip(runs["ours"], runs["trl"])]
-    model = (
-        f"qwen2.5-0.5b architecture, random weights ({n_params / 1e6:.0f} M parameters)"
-        if a.arch != "llama"
-        else f"llama hidden {a.hidden}, {a.layers} layers ({n_params / 1e6:.2f} M parameters)"
-    )
+    model = (f"qwen2.5-0.5b architecture, random weights ({n_params / 1e6:.0f} M parameters)"
+             if a.arch != "llama"
+             else f"llama hidden {a.hidden}, {a.layers} layers ({n_params / 1e6:.2f} M parameters)")
     on_gpu = a.device.startswith("cuda")
     result = {
-        "ours_s_per_step": round(ours, 4),
-        "trl_s_per_step": round(theirs, 4),
+        "ours_s_per_step": round(ours, 4), "trl_s_per_step": round(theirs, 4),
         "ratio": round(ours / theirs, 3),
         "round_ratios": [round(r, 2) for r in round_ratios],
         "ours_peak_rss_mb": round(peak("ours", "peak_rss_mb"), 1),
         "trl_peak_rss_mb": round(peak("trl", "peak_rss_mb"), 1),
-        **(
-            {
-                "ours_peak_gpu_mb": round(peak("ours", "peak_gpu_mb"), 1),
-                "trl_peak_gpu_mb": round(peak("trl", "peak_gpu_mb"), 1),
-            }
-            if on_gpu
-            else {}
-        ),
+        **({"ours_peak_gpu_mb": round(peak("ours", "peak_gpu_mb"), 1),
+            "trl_peak_gpu_mb": round(peak("trl", "peak_gpu_mb"), 1)} if on_gpu else {}),
         "model": model,
         "work": f"G={a.group_size}, {a.prompts} prompts/step, {a.tokens} tokens, "
-        f"beta={a.beta}, mu={a.num_iterations}",
-        "precision": "bf16 autocast" if a.bf16 else "fp32",
-        "device": a.device,
-        "threads": a.threads,
-        "rounds": a.rounds,
-        "steps_per_round": a.steps,
-        "warmup": a.warmup,
+                f"beta={a.beta}, mu={a.num_iterations}",
+        "precision": "bf16 autocast" if a.bf16 else "fp32", "device": a.device,
+        "threads": a.threads, "rounds": a.rounds, "steps_per_round": a.steps, "warmup": a.warmup,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores"
-        + (f", {torch.cuda.get_device_name(a.device)}" if on_gpu else ""),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
+                   + (f", {torch.cuda.get_device_name(a.device)}" if on_gpu else ""),
+        "torch": torch.__version__, "transformers": transformers.__version__,
         "trl": trl.__version__,
     }
     rows = [("median s/step", ours, theirs, ".3f"),
             ("peak RSS (MB)", result["ours_peak_rss_mb"], result["trl_peak_rss_mb"], ".0f")]
     if on_gpu:
-        rows.append(
-            ("peak GPU memory (MB)", result["ours_peak_gpu_mb"], result["trl_peak_gpu_mb"], ".0f")
-        )
-    print(
-        f"\n| {model}, {result['work']}, {result['precision']} on {a.device}, "
-        f"{a.threads} thread(s) "
-        f"| ours | TRL GRPOTrainer | ours / TRL |\n|---|---|---|---|"
-    )
+        rows.append(("peak GPU memory (MB)", result["ours_peak_gpu_mb"], result["trl_peak_gpu_mb"],
+                     ".0f"))
+    print(f"\n| {model}, {result['work']}, {result['precision']} on {a.device}, "
+          f"{a.threads} thread(s) "
+          f"| ours | TRL GRPOTrainer | ours / TRL |\n|---|---|---|---|")
     for name, x, y, fmt in rows:
         print(f"| {name} | {x:{fmt}} | {y:{fmt}} | {x / y:.2f} |")
     print(f"\nper-round ratios (ours / TRL): {min(round_ratios):.2f} to {max(round_ratios):.2f}\n")

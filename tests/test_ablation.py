@@ -18,30 +18,11 @@ def test_every_variant_runs_and_the_table_and_plot_come_out(tmp_path, monkeypatc
     monkeypatch.setenv("GRPO_TINY_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "ablation"
-    stats = ablation.main(
-        [
-            "--seeds",
-            "0",
-            "1",
-            "--steps",
-            "2",
-            "--eval-size",
-            "4",
-            "--jobs",
-            "2",
-            "--out",
-            str(out),
-            "--",
-            "--warm-start-steps",
-            "5",
-            "--prompts-per-step",
-            "2",
-            "--group-size",
-            "4",
-            "--max-new-tokens",
-            "16",
-        ]
-    )
+    stats = ablation.main(["--seeds", "0", "1", "--steps", "2", "--eval-size", "4", "--jobs", "2",
+                           "--out", str(out),
+                           "--", "--warm-start-steps", "5", "--prompts-per-step", "2",
+                           "--group-size", "4",
+                           "--max-new-tokens", "16"])
     assert list(stats) == list(ablation.VARIANTS)
     table = (out / "ablation.md").read_text()
     for name in ablation.VARIANTS:
@@ -56,27 +37,8 @@ def test_every_variant_runs_and_the_table_and_plot_come_out(tmp_path, monkeypatc
         assert control["supervised_steps"] >= 1 and control["wall_seconds"] >= grpo_time
     # A rerun keeps finished runs instead of training them again.
     stamp = (out / "grpo-seed0" / "summary.json").stat().st_mtime_ns
-    ablation.main(
-        [
-            "--variants",
-            "grpo",
-            "--seeds",
-            "0",
-            "--steps",
-            "2",
-            "--eval-size",
-            "4",
-            "--out",
-            str(out),
-            "--",
-            "--warm-start-steps",
-            "5",
-            "--prompts-per-step",
-            "2",
-            "--group-size",
-            "4",
-            "--max-new-tokens",
-            "16",
-        ]
-    )
+    ablation.main(["--variants", "grpo", "--seeds", "0", "--steps", "2", "--eval-size", "4",
+                   "--out", str(out),
+                   "--", "--warm-start-steps", "5", "--prompts-per-step", "2", "--group-size", "4",
+                   "--max-new-tokens", "16"])
     assert (out / "grpo-seed0" / "summary.json").stat().st_mtime_ns == stamp

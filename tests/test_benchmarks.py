@@ -17,9 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run(*args):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600
-    )
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -27,31 +26,18 @@ def run(*args):
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16-autocast"])
 def test_vs_trl_reports_both_sides(precision):
-    pytest.importorskip(
-        "trl", reason="TRL is not installed: pip install -r benchmarks/requirements.txt"
-    )
-    res = run(
-        "benchmarks/vs_trl.py",
-        "--steps",
-        "3",
-        "--warmup",
-        "1",
-        "--rounds",
-        "1",
-        "--tokens",
-        "4",
-        *precision,
-    )
+    pytest.importorskip("trl",
+                        reason="TRL is not installed: pip install -r benchmarks/requirements.txt")
+    res = run("benchmarks/vs_trl.py", "--steps", "3", "--warmup", "1", "--rounds", "1", "--tokens",
+              "4", *precision)
     assert res["precision"] == ("bf16 autocast" if precision else "fp32") and res["device"] == "cpu"
-    assert "ours_peak_gpu_mb" not in res  # only on a GPU
-    for key in (
-        "ours_s_per_step", "trl_s_per_step", "ratio", "ours_peak_rss_mb", "trl_peak_rss_mb",
-    ):
+    assert "ours_peak_gpu_mb" not in res                                        # only on a GPU
+    for key in ("ours_s_per_step", "trl_s_per_step", "ratio", "ours_peak_rss_mb",
+                "trl_peak_rss_mb"):
         assert res[key] > 0, key
     assert res["ratio"] == pytest.approx(res["ours_s_per_step"] / res["trl_s_per_step"], rel=0.01)
-    assert len(res["round_ratios"]) == 1 and res["round_ratios"][0] == pytest.approx(
-        res["ratio"], abs=0.01
-    )
+    assert len(res["round_ratios"]) == 1 and res["round_ratios"][0] == pytest.approx(res["ratio"],
+                                                                                     abs=0.01)
 
 
 def test_profile_parts_add_up_to_the_step():
@@ -68,32 +54,21 @@ def test_scaling_fit_recovers_a_known_power_law():
     and 0.25."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from profile_step import fit_exponents
-
-    rows = [
-        {"group_size": G, "tokens": T, "parameters": P, "total": 0.01 * G**0.5 * T * P**0.25}
-        for G, T, P in [
-            (4, 32, 1e5),
-            (8, 32, 1e5),
-            (16, 32, 1e5),
-            (4, 64, 1e5),
-            (4, 128, 1e5),
-            (4, 32, 1e6),
-            (4, 32, 4e6),
-        ]
-    ]
+    rows = [{"group_size": G, "tokens": T, "parameters": P,
+             "total": 0.01 * G ** 0.5 * T * P ** 0.25}
+            for G, T,
+            P in [(4, 32, 1e5), (8, 32, 1e5), (16, 32, 1e5), (4, 64, 1e5), (4, 128, 1e5),
+                  (4, 32, 1e6),
+                            (4, 32, 4e6)]]
     exps = fit_exponents(rows)
     assert exps == pytest.approx({"G": 0.5, "tokens": 1.0, "params": 0.25}, abs=1e-9)
 
 
 @pytest.mark.parametrize("script", ["benchmarks/vs_trl.py", "benchmarks/profile_step.py"])
 def test_bad_group_size_is_a_one_line_error(script):
-    proc = subprocess.run(
-        [sys.executable, script, "--group-size", "1"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
+    proc = subprocess.run([sys.executable, script, "--group-size", "1"], capture_output=True,
+                          text=True, cwd=ROOT,
+                          timeout=120)
     assert proc.returncode == 2
     # the message is GRPOConfig's own, not a copy kept beside it
     assert proc.stderr.strip().splitlines()[-1].endswith(": error: group_size must be at least 2 "

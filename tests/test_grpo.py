@@ -28,18 +28,16 @@ def test_advantages_hand_worked():
 
 def test_advantages_equal_rewards_are_zero_not_nan():
     """All-equal groups: centred rewards are exactly 0, std is 0, so A = 0 / (0 + 1e-4) = 0."""
-    A = grpo.group_advantages(
-        torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.3, 0.3, 0.3]), group_size=3
-    )
+    A = grpo.group_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.3, 0.3, 0.3]),
+                              group_size=3)
     assert torch.isfinite(A).all()
     assert A.tolist() == [0.0] * 9
 
 
 def test_advantages_without_std_scaling_is_mean_centring():
     """Dr. GRPO: [1, 0, 0, 1] and [2, 0, 0, 0] -> minus their means 0.5 and 0.5."""
-    A = grpo.group_advantages(
-        torch.tensor([1.0, 0, 0, 1, 2, 0, 0, 0]), group_size=4, scale_rewards=False
-    )
+    A = grpo.group_advantages(torch.tensor([1.0, 0, 0, 1, 2, 0, 0, 0]), group_size=4,
+                              scale_rewards=False)
     assert A.tolist() == [0.5, -0.5, -0.5, 0.5, 1.5, -0.5, -0.5, -0.5]
 
 
@@ -64,15 +62,14 @@ def test_advantages_reject_bad_shapes():
         grpo.group_advantages(torch.zeros(6), group_size=1)
 
 
-# --- 5. ratio and clip
-# ------------------------------------------------------------------------------
+# --- 5. ratio and clip ---------------------------------------------------------------------------
 def one_token_loss(ratio, A, **kw):
     """grpo_loss on a single token whose ratio π_θ/π_old is `ratio`; returns (loss, d loss / d logp,
     stats)."""
     logp = torch.tensor([[math.log(ratio)]], requires_grad=True)
-    loss, stats = grpo.grpo_loss(
-        logp, torch.zeros(1, 1), None, torch.tensor([float(A)]), torch.ones(1, 1), beta=0.0, **kw
-    )
+    loss, stats = grpo.grpo_loss(logp, torch.zeros(1, 1), None, torch.tensor([float(A)]),
+                                 torch.ones(1, 1),
+                                 beta=0.0, **kw)
     loss.backward()
     return loss.item(), logp.grad.item(), stats
 
@@ -115,18 +112,15 @@ def test_clip_eps_high():
     assert (loss, grad) == (pytest.approx(0.8, abs=1e-6), 0.0)
 
 
-# --- 6. k3 KL
-# ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "log_ref_ratio, expected", [(LN2, 2 - LN2 - 1), (-LN2, 0.5 + LN2 - 1), (0.0, 0.0)]
-)
+# --- 6. k3 KL ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("log_ref_ratio, expected",
+                         [(LN2, 2 - LN2 - 1), (-LN2, 0.5 + LN2 - 1), (0.0, 0.0)])
 def test_k3_kl_hand_worked(log_ref_ratio, expected):
     """k3 = π_ref/π_θ - log(π_ref/π_θ) - 1. At log-ratio ln 2: 2 - 0.6931 - 1 = 0.3069;
     at -ln 2: 0.5 + 0.6931 - 1 = 0.1931; at 0: 0. With A = 0 and β = 1 the loss is exactly β·k3."""
     logp = torch.zeros(1, 1)
-    loss, stats = grpo.grpo_loss(
-        logp, logp, logp + log_ref_ratio, torch.zeros(1), torch.ones(1, 1), beta=1.0
-    )
+    loss, stats = grpo.grpo_loss(logp, logp, logp + log_ref_ratio, torch.zeros(1), torch.ones(1, 1),
+                                 beta=1.0)
     assert stats["kl"] == pytest.approx(expected, abs=1e-6)
     assert loss.item() == pytest.approx(expected, abs=1e-6)
     assert round(expected, 4) in (0.3069, 0.1931, 0.0)
@@ -136,25 +130,23 @@ def test_kl_gradient_pulls_toward_reference():
     """d k3 / d logp = -exp(logp_ref - logp) + 1. At logp_ref - logp = ln 2 that is -1: raising logp
     toward logp_ref lowers the loss, so gradient descent moves π_θ toward π_ref."""
     logp = torch.zeros(1, 1, requires_grad=True)
-    loss, _ = grpo.grpo_loss(
-        logp, logp.detach(), torch.full((1, 1), LN2), torch.zeros(1), torch.ones(1, 1), beta=0.5
-    )
+    loss, _ = grpo.grpo_loss(logp, logp.detach(), torch.full((1, 1), LN2), torch.zeros(1),
+                             torch.ones(1, 1),
+                             beta=0.5)
     loss.backward()
     assert logp.grad.item() == pytest.approx(0.5 * -1.0, abs=1e-6)
 
 
 def test_beta_zero_needs_no_reference_and_beta_nonzero_does():
     logp = torch.zeros(2, 3)
-    loss, stats = grpo.grpo_loss(
-        logp, logp, None, torch.tensor([1.0, -1.0]), torch.ones(2, 3), beta=0.0
-    )
+    loss, stats = grpo.grpo_loss(logp, logp, None, torch.tensor([1.0, -1.0]), torch.ones(2, 3),
+                                 beta=0.0)
     assert stats["kl"] == 0.0
     with pytest.raises(ValueError, match="logp_ref is required"):
         grpo.grpo_loss(logp, logp, None, torch.tensor([1.0, -1.0]), torch.ones(2, 3), beta=0.04)
 
 
-# --- 7. aggregation
-# ---------------------------------------------------------------------------------
+# --- 7. aggregation ------------------------------------------------------------------------------
 LENGTHS_1_AND_3 = dict(
     logp=torch.zeros(2, 4), logp_old=torch.zeros(2, 4), logp_ref=None,
     advantages=torch.tensor([1.0, -1.0]),
@@ -215,8 +207,7 @@ def test_mu_1_loss_is_zero_but_gradient_is_reinforce_with_group_baseline():
     torch.testing.assert_close(grad, expected)
 
 
-# --- 1 & 4. sampling and log-probs on a real (tiny) model
-# ---------------------------------------------
+# --- 1 & 4. sampling and log-probs on a real (tiny) model ----------------------------------------
 @pytest.fixture(scope="module")
 def tiny():
     tok = tiny_world.char_tokenizer()
@@ -236,37 +227,24 @@ def test_token_logprobs_match_full_log_softmax(tiny):
     the entropy equals torch.distributions.Categorical's."""
     tok, model = tiny
     g = torch.Generator().manual_seed(1)
-    prompt_ids, completion_ids = (
-        torch.randint(4, 100, (3, 5), generator=g),
-        torch.randint(4, 100, (3, 6), generator=g),
-    )
+    prompt_ids = torch.randint(4, 100, (3, 5), generator=g)
+    completion_ids = torch.randint(4, 100, (3, 6), generator=g)
     prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
     completion_mask = torch.ones(3, 6, dtype=torch.long)
-    logp, entropy = grpo.token_logprobs(
-        model,
-        prompt_ids,
-        prompt_mask,
-        completion_ids,
-        completion_mask,
-        temperature=0.7,
-        with_entropy=True,
-    )
+    logp, entropy = grpo.token_logprobs(model, prompt_ids, prompt_mask, completion_ids,
+                                        completion_mask,
+                                        temperature=0.7, with_entropy=True)
     # slow, obvious: the whole (n, P+T, V) log_softmax, then pick each completion token
     ids = torch.cat([prompt_ids, completion_ids], 1)
     am = torch.cat([prompt_mask, completion_mask], 1)
-    logits = (
-        model(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(1) - 1).clamp(min=0)).logits
-        / 0.7
-    )
+    logits = model(input_ids=ids, attention_mask=am,
+                   position_ids=(am.cumsum(1) - 1).clamp(min=0)).logits / 0.7
     full = torch.log_softmax(logits, -1)[:, 4:-1]
     expected = full.gather(-1, completion_ids[..., None]).squeeze(-1)
     torch.testing.assert_close(logp, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(
-        entropy,
-        torch.distributions.Categorical(logits=logits[:, 4:-1]).entropy(),
-        atol=1e-5,
-        rtol=1e-5,
-    )
+    torch.testing.assert_close(entropy,
+                               torch.distributions.Categorical(logits=logits[:, 4:-1]).entropy(),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_sample_completions_groups_and_masks(tiny):
@@ -289,8 +267,7 @@ def test_sample_completions_groups_and_masks(tiny):
         assert batch["completions"][n] == tok.decode(ids, skip_special_tokens=True)
 
 
-# --- 2. rewards
-# ---------------------------------------------------------------------------------------
+# --- 2. rewards ----------------------------------------------------------------------------------
 def test_compute_rewards_weights_and_means():
     """Two functions, weights 1 and 0.5: r = f1 + 0.5·f2. f1 = [1,0,1,0], f2 = [2,2,0,0] ->
     [2,1,1,0]."""
@@ -301,9 +278,8 @@ def test_compute_rewards_weights_and_means():
         assert answer == ["a", "a", "b", "b"]
         return [2, 2, 0, 0]
 
-    r, means = grpo.compute_rewards(
-        [f1, f2], ["p"] * 4, ["c"] * 4, {"answer": ["a", "a", "b", "b"]}, [1.0, 0.5]
-    )
+    r, means = grpo.compute_rewards([f1, f2], ["p"] * 4, ["c"] * 4,
+                                    {"answer": ["a", "a", "b", "b"]}, [1.0, 0.5])
     assert r.tolist() == [2.0, 1.0, 1.0, 0.0]
     assert means == {"f1": 0.5, "f2": 1.0}
 
@@ -319,8 +295,7 @@ def test_compute_rewards_rejects_bad_reward_functions():
         grpo.compute_rewards([texty], ["p", "p"], ["a", "b"])
 
 
-# --- 8. the whole step
-# ----------------------------------------------------------------------------------
+# --- 8. the whole step ---------------------------------------------------------------------------
 def contains_a(prompts, completions, **kw):
     return [float("a" in c) for c in completions]
 
@@ -331,9 +306,8 @@ def run_step(cfg, seed=0, reward_funcs=(contains_a,), with_ref=True, sgd=False):
     ref = grpo.make_reference(policy) if with_ref else None
     # WHY sgd: plain SGD makes the weight change the gradient itself; Adam would blow float rounding
     # in near-zero gradient entries up to a full lr-sized step.
-    opt = (
-        torch.optim.SGD(policy.parameters(), lr=cfg.lr) if sgd else grpo.make_optimizer(policy, cfg)
-    )
+    opt = torch.optim.SGD(policy.parameters(), lr=cfg.lr) if sgd else grpo.make_optimizer(policy,
+                                                                                          cfg)
     torch.manual_seed(seed)
     metrics = grpo.grpo_step(policy, ref, opt, tok, ["Q1", "Q22"], list(reward_funcs), cfg)
     return policy, metrics
@@ -364,11 +338,11 @@ def test_step_moves_weights_and_reports_every_metric():
     torch.manual_seed(0)
     m = grpo.grpo_step(policy, grpo.make_reference(policy), grpo.make_optimizer(policy, cfg), tok,
                        ["Q1", "Q22"], [contains_a], cfg)
-    for key in [
-        "reward", "reward_std", "rewards/contains_a", "frac_reward_zero_std", "kl",
-        "clip_ratio/low", "clip_ratio/high", "completions/mean_length", "completions/clipped_ratio",
-        "entropy", "grad_norm", "loss", "step_time",
-    ]:
+    for key in ["reward", "reward_std", "rewards/contains_a", "frac_reward_zero_std", "kl",
+                "clip_ratio/low",
+                "clip_ratio/high", "completions/mean_length", "completions/clipped_ratio",
+                "entropy",
+                "grad_norm", "loss", "step_time"]:
         assert key in m and math.isfinite(m[key]), key
     assert any(not torch.equal(b, p) for b, p in zip(before, policy.parameters()))
     assert m["kl"] == 0.0  # μ = 1: the policy equals the reference until this step's update
@@ -466,8 +440,7 @@ def test_config_values_that_cannot_work_fail_at_construction(field, value, messa
     grpo.GRPOConfig()  # the defaults pass
 
 
-# --- beyond vanilla GRPO: process supervision (§4.1.3), GSPO, dynamic sampling
-# -------------------------
+# --- beyond vanilla GRPO: process supervision (§4.1.3), GSPO, dynamic sampling -------------------
 def test_process_advantages_hand_worked():
     """G = 2, T = 4. Completion 0 has steps ending at tokens 1 and 3, both right (reward 1);
     completion 1 has one step ending at token 2, wrong (0). R = [1, 1, 0]: mean 2/3, sample std
@@ -477,15 +450,11 @@ def test_process_advantages_hand_worked():
         completion 0: [0.577+0.577, 0.577+0.577, 0.577, 0.577] = [1.15470, 1.15470, 0.57735,
         0.57735]
         completion 1: [-1.15470, -1.15470, -1.15470, 0]  (nothing ends after token 2)"""
-    A = grpo.process_advantages(
-        [[(1, 1.0), (3, 1.0)], [(2, 0.0)]], group_size=2, num_tokens=4, eps=0.0
-    )
-    torch.testing.assert_close(
-        A,
-        torch.tensor([[1.15470, 1.15470, 0.57735, 0.57735], [-1.15470, -1.15470, -1.15470, 0.0]]),
-        atol=1e-5,
-        rtol=0,
-    )
+    A = grpo.process_advantages([[(1, 1.0), (3, 1.0)], [(2, 0.0)]], group_size=2, num_tokens=4,
+                                eps=0.0)
+    torch.testing.assert_close(A, torch.tensor([[1.15470, 1.15470, 0.57735, 0.57735],
+                                                [-1.15470, -1.15470, -1.15470, 0.0]]), atol=1e-5,
+                                                rtol=0)
 
 
 def test_process_advantages_with_only_a_final_step_equal_outcome_advantages():
@@ -493,9 +462,8 @@ def test_process_advantages_with_only_a_final_step_equal_outcome_advantages():
     token."""
     rewards_ = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.0, 1.0])
     last = [3, 1, 4, 0, 2, 2, 4, 1]
-    A = grpo.process_advantages(
-        [[(t, r.item())] for t, r in zip(last, rewards_)], group_size=4, num_tokens=5
-    )
+    A = grpo.process_advantages([[(t, r.item())] for t, r in zip(last, rewards_)], group_size=4,
+                                num_tokens=5)
     outcome = grpo.group_advantages(rewards_, group_size=4)
     for n, t in enumerate(last):
         torch.testing.assert_close(A[n, :t + 1], outcome[n].expand(t + 1))
@@ -508,9 +476,8 @@ def test_step_ends_map_to_the_token_holding_their_last_character(tiny):
     the last token, here the EOS at index 16."""
     tok, _ = tiny
     text = "1+1=<<1+1=2>>2\n#"
-    ids = torch.tensor(
-        [tok.convert_tokens_to_ids(list(text)) + [tok.eos_token_id, tok.pad_token_id]]
-    )
+    ids = torch.tensor([tok.convert_tokens_to_ids(list(text)) + [tok.eos_token_id,
+                                                                 tok.pad_token_id]])
     assert rewards.step_token_index(tok, ids, torch.tensor([17]), [[13, len(text)]]) == [[12, 16]]
 
 
@@ -523,28 +490,17 @@ def subword_tokenizers():
     corpus = ["Tom has 3 apples. He buys 4 more for 1 €, so 3+4=7. The answer is 7 apples."] * 20
     sp = Tokenizer(models.BPE(unk_token="<unk>"))
     sp.pre_tokenizer, sp.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
-    sp.train_from_iterator(
-        corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"])
-    )
+    sp.train_from_iterator(corpus,
+                           trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "</s>"]))
     bl = Tokenizer(models.BPE())
-    bl.pre_tokenizer, bl.decoder = (
-        pre_tokenizers.ByteLevel(add_prefix_space=False),
-        decoders.ByteLevel(),
-    )
-    bl.train_from_iterator(
-        [],
-        trainers.BpeTrainer(
-            vocab_size=300,
-            special_tokens=["</s>"],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        ),
-    )
-    return {
-        "sentencepiece": PreTrainedTokenizerFast(
-            tokenizer_object=sp, eos_token="</s>", unk_token="<unk>"
-        ),
-        "byte-level": PreTrainedTokenizerFast(tokenizer_object=bl, eos_token="</s>"),
-    }
+    bl.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bl.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    bl.train_from_iterator([], trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"],
+                                                   initial_alphabet=alphabet))
+    return {"sentencepiece": PreTrainedTokenizerFast(tokenizer_object=sp, eos_token="</s>",
+                                                     unk_token="<unk>"),
+            "byte-level": PreTrainedTokenizerFast(tokenizer_object=bl, eos_token="</s>")}
 
 
 @pytest.mark.parametrize("kind", ["sentencepiece", "byte-level"])
@@ -557,24 +513,13 @@ def test_step_ends_map_to_tokens_on_subword_tokenizers(kind):
     text = "Tom has 3 apples. He pays 4 €, so 3+4=7. €€ The answer is 7."
     ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     assert tok.decode(ids, skip_special_tokens=True) == text
-    ends = [
-        text.index(".") + 1,
-        text.index("€") + 1,
-        text.index("7.") + 2,
-        text.index("€€") + 2,
-        len(text),
-    ]
-    slow = [
-        next(
-            k
-            for k in range(len(ids))
-            if len(tok.decode(ids[: k + 1], skip_special_tokens=True)) >= e
-        )
-        for e in ends[:-1]
-    ] + [len(ids) - 1]  # the last step ends at the EOS
-    assert rewards.step_token_index(tok, torch.tensor([ids]), torch.tensor([len(ids)]), [ends]) == [
-        slow
-    ]
+    ends = [text.index(".") + 1, text.index("€") + 1, text.index("7.") + 2, text.index("€€") + 2,
+            len(text)]
+    slow = [next(k for k in range(len(ids)) if len(tok.decode(ids[:k + 1],
+                                                              skip_special_tokens=True)) >= e)
+            for e in ends[:-1]] + [len(ids) - 1]                     # the last step ends at the EOS
+    assert rewards.step_token_index(tok, torch.tensor([ids]), torch.tensor([len(ids)]),
+                                    [ends]) == [slow]
     assert tok.decode(ids[:slow[0] + 1], skip_special_tokens=True).endswith("apples.")
 
 
@@ -618,17 +563,9 @@ def test_dynamic_sampling_drops_agreeing_groups_and_tops_up():
 
     tok = tiny_world.char_tokenizer()
     policy = tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0)
-    m = grpo.grpo_step(
-        policy,
-        grpo.make_reference(policy),
-        grpo.make_optimizer(policy, cfg),
-        tok,
-        ["SAME", "Q1"],
-        [alternating_unless_same],
-        cfg,
-        return_samples=True,
-        more_prompts=more,
-    )
+    m = grpo.grpo_step(policy, grpo.make_reference(policy), grpo.make_optimizer(policy, cfg), tok,
+                       ["SAME", "Q1"], [alternating_unless_same], cfg, return_samples=True,
+                       more_prompts=more)
     assert asked == [1]
     assert m["dynamic_sampling/rounds"] == 1 and m["dynamic_sampling/groups_trained"] == 2
     assert [s["prompt"] for s in m["samples"]] == ["Q1"] * 4 + ["Q2"] * 4
@@ -636,9 +573,8 @@ def test_dynamic_sampling_drops_agreeing_groups_and_tops_up():
     # Without fresh prompts the step trains on the one group with signal.
     m = grpo.grpo_step(policy, grpo.make_reference(policy), grpo.make_optimizer(policy, cfg), tok,
                        ["SAME", "Q1"], [alternating_unless_same], cfg, return_samples=True)
-    assert m["dynamic_sampling/groups_trained"] == 1 and {s["prompt"] for s in m["samples"]} == {
-        "Q1"
-    }
+    assert m["dynamic_sampling/groups_trained"] == 1
+    assert {s["prompt"] for s in m["samples"]} == {"Q1"}
 
 
 def test_process_supervision_step_runs_with_the_calculator_reward():
@@ -655,28 +591,17 @@ def test_process_supervision_step_runs_with_the_calculator_reward():
 
     grpo.grpo_loss = spy
     try:
-        m = grpo.grpo_step(
-            policy,
-            grpo.make_reference(policy),
-            grpo.make_optimizer(policy, cfg),
-            tok,
-            ["1+1=", "2*3="],
-            [rewards.calculator_process_reward],
-            cfg,
-            columns={"answer": ["2", "6"]},
-        )
+        m = grpo.grpo_step(policy, grpo.make_reference(policy), grpo.make_optimizer(policy, cfg),
+                           tok,
+                           ["1+1=", "2*3="], [rewards.calculator_process_reward], cfg,
+                           columns={"answer": ["2", "6"]})
     finally:
         grpo.grpo_loss = real
     N, T = 8, seen[0][1]
     assert seen == [(N, T)] and math.isfinite(m["loss"]) and "rewards/steps_mean" in m
     with pytest.raises(ValueError, match="one step-reward function"):
-        grpo.grpo_step(
-            policy,
-            None,
-            grpo.make_optimizer(policy, cfg),
-            tok,
-            ["1+1="],
-            [rewards.calculator_process_reward, rewards.format_reward],
-            grpo.GRPOConfig(group_size=2, max_new_tokens=4, supervision="process", beta=0.0),
-            columns={"answer": ["2"]},
-        )
+        grpo.grpo_step(policy, None, grpo.make_optimizer(policy, cfg), tok, ["1+1="],
+                       [rewards.calculator_process_reward, rewards.format_reward],
+                       grpo.GRPOConfig(group_size=2, max_new_tokens=4, supervision="process",
+                                       beta=0.0),
+                       columns={"answer": ["2"]})

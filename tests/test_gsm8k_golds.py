@@ -19,15 +19,13 @@ GSM8K_DIR = os.environ.get("GSM8K_DIR")
 @pytest.fixture(scope="module")
 def golds():
     if not GSM8K_DIR:
-        pytest.skip(
-            "GSM8K_DIR is not set: point it at a folder with GSM8K's train.jsonl and test.jsonl"
-        )
+        pytest.skip("GSM8K_DIR is not set: point it at a folder with GSM8K's train.jsonl and "
+                    "test.jsonl")
     items = []
     for split in ("train", "test"):
         path = Path(GSM8K_DIR) / f"{split}.jsonl"
-        items += [
-            json.loads(line)["answer"] for line in path.read_text().splitlines() if line.strip()
-        ]
+        items += [json.loads(line)["answer"] for line in path.read_text().splitlines()
+                  if line.strip()]
     return items
 
 

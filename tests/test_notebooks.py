@@ -30,13 +30,8 @@ def test_notebook_runs_headless(path, tmp_path, monkeypatch):
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})
     client.execute()  # raises CellExecutionError, naming the cell, on any error
-    errors = [
-        o
-        for c in nb.cells
-        if c.cell_type == "code"
-        for o in c.get("outputs", [])
-        if o.output_type == "error"
-    ]
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if o.output_type == "error"]
     assert not errors
 
 
@@ -48,10 +43,5 @@ def test_committed_notebook_shows_its_plots_and_ends_with_a_checked_exercise(pat
     assert images, f"{path.name} was committed without its plot outputs"
     assert nb.cells[0].cell_type == "markdown" and "What you will learn" in nb.cells[0].source
     assert any("def check(" in c.source for c in nb.cells if c.cell_type == "code")
-    assert not [
-        o
-        for c in nb.cells
-        if c.cell_type == "code"
-        for o in c.get("outputs", [])
-        if o.output_type == "error"
-    ]
+    assert not [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                if o.output_type == "error"]

@@ -22,10 +22,9 @@ import checkpoint
 import train_gsm8k
 
 ROOT = Path(__file__).resolve().parent.parent
-FLAGS = [
-    "--warm-start-steps", "5", "--eval-size", "6", "--prompts-per-step", "2", "--group-size", "4",
-    "--max-new-tokens", "20", "--sample-every", "1", "--threads", "1", "--save-every", "1",
-]
+FLAGS = ["--warm-start-steps", "5", "--eval-size", "6", "--prompts-per-step", "2", "--group-size",
+         "4",
+         "--max-new-tokens", "20", "--sample-every", "1", "--threads", "1", "--save-every", "1"]
 
 
 def steps_of(run: Path) -> list[dict]:
@@ -50,14 +49,9 @@ def test_sigkill_mid_run_then_resume_loses_nothing_and_matches_an_uninterrupted_
     # The uninterrupted run (it also builds the warm start, so the killed run below spends no time
     # on it).
     whole = tmp_path / "whole"
-    done = subprocess.run(
-        [*script, "--out", str(whole)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = subprocess.run([*script, "--out", str(whole)], env=env, cwd=ROOT, capture_output=True,
+                          text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 
     # The same run, killed with SIGKILL (no chance to clean up) once it has finished three steps.
@@ -74,19 +68,14 @@ def test_sigkill_mid_run_then_resume_loses_nothing_and_matches_an_uninterrupted_
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (killed / "summary.json").exists()
-    ckpt = checkpoint.latest_checkpoint(killed)    # the last complete checkpoint survived the kill
+    ckpt = checkpoint.latest_checkpoint(killed)     # the last complete checkpoint survived the kill
     saved_step = json.loads((ckpt / "state.json").read_text())["step"]
     assert saved_step >= 2
     finished_before_kill = [m["step"] for m in steps_of(killed)]
 
-    resumed = subprocess.run(
-        [sys.executable, str(ROOT / "train_gsm8k.py"), "--resume", str(killed)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    resumed = subprocess.run([sys.executable, str(ROOT / "train_gsm8k.py"), "--resume",
+                              str(killed)], env=env,
+                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"from checkpoint-{saved_step:06d}" in resumed.stdout
 
@@ -100,10 +89,8 @@ def test_sigkill_mid_run_then_resume_loses_nothing_and_matches_an_uninterrupted_
     # Exactly reproducible on CPU with a fixed seed: every metric and every final weight.
     assert after == steps_of(whole)
     assert same_weights(weights(killed / "final"), weights(whole / "final"))
-    assert (
-        json.loads((whole / "summary.json").read_text())["accuracy_after"]
-        == summary["accuracy_after"]
-    )
+    whole_summary = json.loads((whole / "summary.json").read_text())
+    assert whole_summary["accuracy_after"] == summary["accuracy_after"]
 
 
 def test_resume_keeps_its_settings_and_can_extend_a_finished_run(tmp_path, monkeypatch):
@@ -149,9 +136,8 @@ def test_a_crash_while_writing_a_checkpoint_leaves_the_last_one_whole(tmp_path, 
         model.model.embed_tokens.weight.add_(1.0)
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save_checkpoint(tmp_path, model, tok, opt, {"step": 2})
-    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == [
-        "checkpoint-000001"
-    ]
+    kept = [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    assert kept == ["checkpoint-000001"]
     ckpt = checkpoint.latest_checkpoint(tmp_path)
     assert ckpt.name == "checkpoint-000001"
     AutoModelForCausalLM.from_pretrained(ckpt)  # loads

@@ -35,51 +35,31 @@ CASES = [
     ("\\boxed{\\$1,000}", "1000", 1.0, "\\boxed{} with an escaped dollar and a comma"),
     ("\\boxed{72 \\text{ clips}}", GOLD_72, 1.0, "\\boxed{} with nested braces and a unit"),
     ("<answer>72</answer>", GOLD_72, 1.0, "answer tags"),
-    (
-        "<reasoning>24+48</reasoning><answer> 72 </answer>",
-        GOLD_72,
-        1.0,
-        "answer tags after reasoning",
-    ),
+    ("<reasoning>24+48</reasoning><answer> 72 </answer>", GOLD_72, 1.0,
+     "answer tags after reasoning"),
     ("So the answer is 72.", GOLD_72, 1.0, "'answer is'"),
     ("The answer is: $72", GOLD_72, 1.0, "'answer is:' with a dollar"),
     ("24 + 48 = 72", GOLD_72, 1.0, "last number in the text"),
     ("72 clips, or maybe 71", GOLD_72, 0.0, "last number is the final answer"),
-    (
-        "1,2,3,72",
-        GOLD_72,
-        0.0,
-        "a comma list is not a thousands number, and a list commits to nothing",
-    ),
+    ("1,2,3,72", GOLD_72, 0.0,
+     "a comma list is not a thousands number, and a list commits to nothing"),
     ("10-5=72", GOLD_72, 1.0, "subtraction, not a negative"),
     ("#### 72\n#### 71", GOLD_72, 0.0, "hedging: two #### lines that disagree"),
     ("\\boxed{72}\n#### 73", GOLD_72, 0.0, "hedging: box and #### disagree"),
     ("\\boxed{17} #### 18", "18", 0.0, "hedging: the example from the spec"),
     ("<answer>72</answer> \\boxed{71}", GOLD_72, 0.0, "hedging: answer tag and box disagree"),
-    (
-        "The answer is 71. No wait, the answer is 72.",
-        GOLD_72,
-        0.0,
-        "hedging: two 'answer is' that disagree",
-    ),
+    ("The answer is 71. No wait, the answer is 72.", GOLD_72, 0.0,
+     "hedging: two 'answer is' that disagree"),
     ("\\boxed{72}\n#### 72", GOLD_72, 1.0, "two commitments that agree are not hedging"),
     ("\\boxed{} 72", GOLD_72, 0.0, "an empty box commits to nothing and earns nothing"),
     ("#### \n72", GOLD_72, 0.0, "an empty #### line commits to nothing"),
     ("I don't know", GOLD_72, 0.0, "no number at all"),
     ("", GOLD_72, 0.0, "empty completion"),
-    (
-        "The answer is 15 gallons * 8 = 120 pints\n#### 120",
-        "120",
-        1.0,
-        "#### outranks 'answer is' (a real GSM8K gold)",
-    ),
+    ("The answer is 15 gallons * 8 = 120 pints\n#### 120", "120", 1.0,
+     "#### outranks 'answer is' (a real GSM8K gold)"),
     ("The answer is 72.\n#### 72", GOLD_72, 1.0, "'answer is' and #### agree"),
-    (
-        "The answer is not 5; 6 + 66 = 72\n#### 72",
-        GOLD_72,
-        1.0,
-        "'answer is' with no number right after it commits to nothing",
-    ),
+    ("The answer is not 5; 6 + 66 = 72\n#### 72", GOLD_72, 1.0,
+     "'answer is' with no number right after it commits to nothing"),
 ]
 
 
@@ -100,12 +80,9 @@ def test_chat_completions_are_read():
 def test_trl_calling_convention():
     """TRL calls reward functions by keyword, with prompts and every dataset column as extra
     keywords."""
-    out = correctness_reward(
-        prompts=["q1", "q2"],
-        completions=["#### 1", "#### 3"],
-        answer=["1", "2"],
-        question=["q1", "q2"],
-    )
+    out = correctness_reward(prompts=["q1", "q2"], completions=["#### 1", "#### 3"],
+                             answer=["1", "2"],
+                             question=["q1", "q2"])
     assert out == [1.0, 0.0]
 
 
@@ -140,14 +117,11 @@ def test_format_reward(completion, expected):
     assert format_reward([completion]) == [expected]
 
 
-# --- adversarial completions: built to game the checker, each must earn nothing
-# ---------------------------
+# --- adversarial completions: built to game the checker, each must earn nothing ------------------
 QUESTION = "Tom has 3 bags of 24 marbles and gives away 72. How many marbles did Tom have before?"
 GAMES = [
-    (
-        "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 72 73",
-        "number list, space-separated",
-    ),
+    ("1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 72 73",
+     "number list, space-separated"),
     ("It is 70, 71, 72", "number list with commas, gold last"),
     ("70 or 71 or 72", "number list with 'or', gold last"),
     ("70\n71\n72", "number list one per line, gold last"),
@@ -182,46 +156,19 @@ def test_the_honest_answer_still_earns_next_to_each_game():
     1."""
     honest = ["#### 72", "3*24=<<3*24=72>>72\n#### 72", "So 3 * 24 = 72", "\\boxed{72}",
               QUESTION + "\n3*24=72\n#### 72", "The answer is 72."]
-    assert (
-        correctness_reward(honest, ["72"] * len(honest), question=[QUESTION] * len(honest))
-        == [1.0] * 6
-    )
+    assert correctness_reward(honest, ["72"] * len(honest),
+                              question=[QUESTION] * len(honest)) == [1.0] * 6
 
 
-# --- fuzz: never raises, always fast
-# -----------------------------------------------------------------------
+# --- fuzz: never raises, always fast -------------------------------------------------------------
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 # Text built from the pieces the checker looks for, so the fuzzer reaches every branch quickly.
-PIECES = st.sampled_from(
-    [
-        "####",
-        "\\boxed{",
-        "{",
-        "}",
-        "<answer>",
-        "</answer>",
-        "answer is",
-        "$",
-        "-",
-        "−",
-        ",",
-        ".",
-        " ",
-        "\n",
-        "or",
-        "and",
-        "1",
-        "72",
-        "1,000",
-        "3.5",
-        "<<",
-        ">>",
-        "=",
-        "*",
-    ]
-)
+PIECES = st.sampled_from(["####", "\\boxed{", "{", "}", "<answer>", "</answer>", "answer is", "$",
+                          "-", "−",
+                          ",", ".", " ", "\n", "or", "and", "1", "72", "1,000", "3.5", "<<", ">>",
+                          "=", "*"])
 TEXT = st.one_of(st.text(max_size=2000), st.lists(PIECES, max_size=400).map("".join),
                  st.tuples(st.lists(PIECES, max_size=50).map("".join), st.integers(1, 2500)).map(
                      lambda t: t[0] * t[1]))
@@ -264,64 +211,43 @@ def test_worst_case_inputs_take_milliseconds(text):
     assert slowest_of_3_best(format_reward, [text]) < 0.010
 
 
-# --- safe arithmetic for model-written calculator annotations
-# ---------------------------------------------
+# --- safe arithmetic for model-written calculator annotations ------------------------------------
 from fractions import Fraction  # noqa: E402
 
 from rewards import evaluate_arithmetic  # noqa: E402
 
 
-@pytest.mark.parametrize(
-    "expression, value",
-    [
-        ("48/2", Fraction(24)),
-        ("48+24", Fraction(72)),
-        ("63000-9400-9100-8300-9200-8900", Fraction(18100)),
-        ("(3+4)*1.5", Fraction(21, 2)),
-        ("100*.25", Fraction(25)),
-        ("-5+2", Fraction(-3)),
-        ("10/3", Fraction(10, 3)),
-        ("0.1+0.2", Fraction(3, 10)),  # exact: not 0.30000000000000004
-        ("2×3", Fraction(6)),
-        ("1,000*2", Fraction(2000)),
-    ],
-)
+@pytest.mark.parametrize("expression, value", [
+    ("48/2", Fraction(24)), ("48+24", Fraction(72)),
+    ("63000-9400-9100-8300-9200-8900", Fraction(18100)),
+    ("(3+4)*1.5", Fraction(21, 2)), ("100*.25", Fraction(25)), ("-5+2", Fraction(-3)),
+    ("10/3", Fraction(10, 3)),
+    ("0.1+0.2", Fraction(3, 10)),   # exact: not 0.30000000000000004
+    ("2×3", Fraction(6)), ("1,000*2", Fraction(2000)),
+])
 def test_arithmetic_is_exact(expression, value):
     assert evaluate_arithmetic(expression) == value
 
 
-@pytest.mark.parametrize(
-    "expression",
-    [
-        "__import__('os').system('echo hacked')",  # a call
-        "os.system",  # an attribute
-        "x + 1",  # a name
-        "9**9**9**9",  # an exponent tower: ** is not in the whitelist at all
-        "2**10",
-        "9" * 5000,  # a number with thousands of digits
-        "1" + "*99999999999999" * 6,  # a product far past MAX_MAGNITUDE
-        "1/0",
-        "[1, 2][0]",
-        "lambda: 1",
-        "1 if 1 else 2",
-        "1 < 2",
-        "'72'",
-        "True + 1",
-        "1e999",
-        "(" * 5000 + "1" + ")" * 5000,
-        "",
-        "  ",
-        "1 +",
-        "1; 2",
-    ],
-)
+@pytest.mark.parametrize("expression", [
+    "__import__('os').system('echo hacked')",   # a call
+    "os.system",                                 # an attribute
+    "x + 1",                                     # a name
+    "9**9**9**9",                             # an exponent tower: ** is not in the whitelist at all
+    "2**10",
+    "9" * 5000,                                  # a number with thousands of digits
+    "1" + "*99999999999999" * 6,                 # a product far past MAX_MAGNITUDE
+    "1/0",
+    "[1, 2][0]", "lambda: 1", "1 if 1 else 2", "1 < 2", "'72'", "True + 1", "1e999",
+    "(" * 5000 + "1" + ")" * 5000,
+    "", "  ", "1 +", "1; 2",
+])
 def test_arithmetic_refuses_anything_else_quickly(expression):
     assert evaluate_arithmetic(expression) is None
     assert slowest_of_3_best(evaluate_arithmetic, expression) < 0.005
 
 
-# --- step rewards for process supervision
-# -------------------------------------------------------------------
+# --- step rewards for process supervision --------------------------------------------------------
 from rewards import annotation_is_right, calculator_process_reward  # noqa: E402
 
 

@@ -21,10 +21,10 @@ import tiny_world
 import train_gsm8k
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY_FLAGS = [
-    "--warm-start-steps", "5", "--steps", "2", "--eval-size", "6", "--prompts-per-step", "2",
-    "--group-size", "4", "--max-new-tokens", "20", "--sample-every", "1", "--threads", "1",
-]
+TINY_FLAGS = ["--warm-start-steps", "5", "--steps", "2", "--eval-size", "6", "--prompts-per-step",
+              "2",
+              "--group-size", "4", "--max-new-tokens", "20", "--sample-every", "1", "--threads",
+              "1"]
 
 
 @pytest.fixture()
@@ -35,14 +35,9 @@ def cache(tmp_path, monkeypatch):
 
 def run_script(*args, env_extra=None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env_extra or {})}
-    return subprocess.run(
-        [sys.executable, str(ROOT / "train_gsm8k.py"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-    )
+    return subprocess.run([sys.executable, str(ROOT / "train_gsm8k.py"), *args],
+                          capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=600)
 
 
 def test_tiny_run_end_to_end_writes_every_output(tmp_path, cache):
@@ -59,11 +54,9 @@ def test_tiny_run_end_to_end_writes_every_output(tmp_path, cache):
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]
     for m in lines:
-        for key in (
-            "reward", "kl", "clip_ratio/low", "entropy", "grad_norm", "loss",
-            "completions/mean_length", "rewards/correctness_reward", "rewards/format_reward",
-            "step_time",
-        ):
+        for key in ("reward", "kl", "clip_ratio/low", "entropy", "grad_norm", "loss",
+                    "completions/mean_length",
+                    "rewards/correctness_reward", "rewards/format_reward", "step_time"):
             assert math.isfinite(m[key]), key
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert samples and {"step", "prompt", "completion", "reward", "advantage"} <= set(samples[0])
@@ -87,10 +80,9 @@ def test_warm_start_is_cached_and_reused(cache):
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     again = tiny_world.warm_start(cfg, log=lambda *a: None)
     assert again == first and (again / "model.safetensors").stat().st_mtime_ns == stamp
-    other = tiny_world.warm_start(
-        tiny_world.WarmStartConfig(hidden=32, layers=1, heads=2, steps=4, batch_size=4),
-        log=lambda *a: None,
-    )
+    other = tiny_world.warm_start(tiny_world.WarmStartConfig(hidden=32, layers=1, heads=2, steps=4,
+                                                             batch_size=4),
+                                  log=lambda *a: None)
     assert other != first
 
 
@@ -144,15 +136,12 @@ def test_slip_rate_sets_how_often_the_wrong_quantity_is_answered():
     over 4,000 draws is 0.8 points, so 0.57-0.63 is about 4 sd)."""
     import random
     rng = random.Random(0)
-    early = sum(
-        tiny_world.solve([(5, "*", 2), (25, "+", tiny_world.P)], 0.6, rng)[1] == 10
-        for _ in range(4000)
-    )
+    early = sum(tiny_world.solve([(5, "*", 2), (25, "+", tiny_world.P)], 0.6,
+                                 rng)[1] == 10 for _ in range(4000))
     assert 0.57 < early / 4000 < 0.63
 
 
-# --- bad input: one line, exit code 2, nothing written
-# ----------------------------------------------
+# --- bad input: one line, exit code 2, nothing written -------------------------------------------
 def write(path, text):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
@@ -162,23 +151,18 @@ def write(path, text):
 GOOD = json.dumps({"question": "1+1?", "answer": "1+1=<<1+1=2>>2\n#### 2"})
 
 
-@pytest.mark.parametrize(
-    "case, expected",
-    [
-        ("preset", "invalid choice: 'huge'"),
-        ("data_dir", "is not 'tiny', 'openai/gsm8k' or an existing directory"),
-        ("bad_json", "train.jsonl:2: not valid JSON"),
-        (
-            "missing_field",
-            "train.jsonl:3: expected an object with string fields 'question' and 'answer'",
-        ),
-        ("no_final_number", "test.jsonl:1: the answer has no final number"),
-        ("model_dir", "model directory ./no/such/model does not exist"),
-        ("hub_offline", "cannot load model 'nobody/no-such-model'"),
-        ("group_size", "--group-size must be at least 2"),
-        ("beta", "--beta must be >= 0"),
-    ],
-)
+@pytest.mark.parametrize("case, expected", [
+    ("preset", "invalid choice: 'huge'"),
+    ("data_dir", "is not 'tiny', 'openai/gsm8k' or an existing directory"),
+    ("bad_json", "train.jsonl:2: not valid JSON"),
+    ("missing_field",
+     "train.jsonl:3: expected an object with string fields 'question' and 'answer'"),
+    ("no_final_number", "test.jsonl:1: the answer has no final number"),
+    ("model_dir", "model directory ./no/such/model does not exist"),
+    ("hub_offline", "cannot load model 'nobody/no-such-model'"),
+    ("group_size", "--group-size must be at least 2"),
+    ("beta", "--beta must be >= 0"),
+])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, case, expected, capsys, monkeypatch):
     data = tmp_path / "data"
     write(data / "train.jsonl", GOOD + "\n")
@@ -195,9 +179,8 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, case, expected, caps
     if case == "bad_json":
         write(data / "train.jsonl", GOOD + "\n{not json\n")
     if case == "missing_field":
-        write(
-            data / "train.jsonl", GOOD + "\n" + GOOD + "\n" + json.dumps({"question": "q"}) + "\n"
-        )
+        write(data / "train.jsonl",
+              GOOD + "\n" + GOOD + "\n" + json.dumps({"question": "q"}) + "\n")
     if case == "no_final_number":
         write(data / "test.jsonl", json.dumps({"question": "q", "answer": "no number"}) + "\n")
     out = tmp_path / "out"
@@ -217,69 +200,38 @@ def test_bad_input_from_the_real_command_line(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
-# --- the qwen2.5-0.5b preset's code path, on a small local Qwen2
-# ------------------------------------
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# --- the qwen2.5-0.5b preset's code path, on a small local Qwen2 ---------------------------------
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                 "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 @pytest.mark.slow
 def test_qwen_preset_code_path_on_local_qwen2_and_gsm8k(tmp_path):
     gsm8k = os.environ.get("GSM8K_DIR")
     if not gsm8k:
-        pytest.skip(
-            "GSM8K_DIR is not set: point it at a folder with GSM8K's train.jsonl and test.jsonl"
-        )
+        pytest.skip("GSM8K_DIR is not set: point it at a folder with GSM8K's train.jsonl and "
+                    "test.jsonl")
     from transformers import Qwen2Config, Qwen2ForCausalLM
     tok = tiny_world.char_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(
-        Qwen2Config(
-            vocab_size=len(tok),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=1024,
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-            tie_word_embeddings=True,
-        )
-    )
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=2,
+                                         num_key_value_heads=1,
+                                         max_position_embeddings=1024,
+                                         eos_token_id=tok.eos_token_id,
+                                         pad_token_id=tok.pad_token_id, tie_word_embeddings=True))
     model.save_pretrained(tmp_path / "qwen2-tiny")
     tok.save_pretrained(tmp_path / "qwen2-tiny")
 
     out = tmp_path / "run"
-    summary = train_gsm8k.main(
-        [
-            "--preset",
-            "qwen2.5-0.5b",
-            "--model",
-            str(tmp_path / "qwen2-tiny"),
-            "--data",
-            gsm8k,
-            "--steps",
-            "2",
-            "--eval-size",
-            "4",
-            "--prompts-per-step",
-            "2",
-            "--group-size",
-            "2",
-            "--max-new-tokens",
-            "12",
-            "--micro-batch-size",
-            "2",
-            "--device",
-            "cpu",
-            "--out",
-            str(out),
-        ]
-    )
+    summary = train_gsm8k.main(["--preset", "qwen2.5-0.5b", "--model", str(tmp_path / "qwen2-tiny"),
+                                "--data", gsm8k, "--steps", "2", "--eval-size", "4",
+                                "--prompts-per-step", "2",
+                                "--group-size", "2", "--max-new-tokens", "12", "--micro-batch-size",
+                                "2",
+                                "--device", "cpu", "--out", str(out)])
     assert summary["grpo_config"]["lr"] == 1e-6 and summary["train_config"]["bf16"] is True
     assert summary["train_config"]["gradient_checkpointing"] is True
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
@@ -308,16 +260,14 @@ def test_flags_override_the_preset_which_overrides_the_defaults():
 
 
 # --- numerical safety: non-finite steps are skipped, counted, and several in a row stop the run
-# ---------
-RUN_FLAGS = [
-    "--warm-start-steps", "5", "--eval-size", "6", "--prompts-per-step", "2", "--group-size", "4",
-    "--max-new-tokens", "20", "--threads", "1", "--save-every", "1", "--max-bad-steps", "2",
-]
+RUN_FLAGS = ["--warm-start-steps", "5", "--eval-size", "6", "--prompts-per-step", "2",
+             "--group-size", "4",
+             "--max-new-tokens", "20", "--threads", "1", "--save-every", "1", "--max-bad-steps",
+             "2"]
 
 
-def test_nan_rewards_from_step_3_are_skipped_then_stop_the_run(
-    tmp_path, cache, monkeypatch, capsys
-):
+def test_nan_rewards_from_step_3_are_skipped_then_stop_the_run(tmp_path, cache, monkeypatch,
+                                                               capsys):
     """Steps 1-2 are normal; from step 3 on, one reward per step is NaN. Step 3 is skipped (weights
     untouched, so its checkpoint holds exactly the weights after step 2), step 4 is the second bad
     step in a row and stops the run with exit code 1 and one line. No checkpoint ever holds a
@@ -335,19 +285,15 @@ def test_nan_rewards_from_step_3_are_skipped_then_stop_the_run(
     # logged under the same name as the real one
     correctness_then_nan.__name__ = "correctness_reward"
     train_gsm8k.main([*RUN_FLAGS, "--steps", "2", "--out", str(tmp_path / "clean")])
-    monkeypatch.setattr(
-        gsm8k, "REWARD_FUNCS", [correctness_then_nan, rewards_mod.format_reward]
-    )
+    monkeypatch.setattr(gsm8k, "REWARD_FUNCS", [correctness_then_nan, rewards_mod.format_reward])
     assert train_gsm8k.cli([*RUN_FLAGS, "--steps", "6", "--out", str(tmp_path / "bad")]) == 1
     err = capsys.readouterr().err
     err = err[err.index("error: "):].strip()  # after the progress bars
-    assert err.startswith(
-        "error: stopped at step 4: 2 steps in a row had a non-finite loss or gradient"
-    )
+    assert err.startswith("error: stopped at step 4: 2 steps in a row had a non-finite loss or "
+                          "gradient")
     assert "checkpoint-000003" in err and "\n" not in err
-    lines = [
-        json.loads(line) for line in (tmp_path / "bad" / "metrics.jsonl").read_text().splitlines()
-    ]
+    log = (tmp_path / "bad" / "metrics.jsonl").read_text()
+    lines = [json.loads(line) for line in log.splitlines()]
     assert [m["skipped_updates"] for m in lines] == [0, 0, 1, 1]
     clean = load_file(tmp_path / "clean" / "checkpoint-000002" / "model.safetensors")
     kept = load_file(tmp_path / "bad" / "checkpoint-000003" / "model.safetensors")
@@ -355,9 +301,8 @@ def test_nan_rewards_from_step_3_are_skipped_then_stop_the_run(
     assert not (tmp_path / "bad" / "summary.json").exists()
 
 
-def test_non_finite_logits_in_training_stop_the_run_with_weights_untouched(
-    tmp_path, cache, monkeypatch, capsys
-):
+def test_non_finite_logits_in_training_stop_the_run_with_weights_untouched(tmp_path, cache,
+                                                                           monkeypatch, capsys):
     """Every training forward pass overflows (as bf16 can); sampling does not. Nothing is ever
     updated."""
     real_load = train_gsm8k.load_model
@@ -376,12 +321,8 @@ def test_non_finite_logits_in_training_stop_the_run_with_weights_untouched(
 
     loaded = []
     monkeypatch.setattr(train_gsm8k, "load_model", load_with_overflow)
-    assert (
-        train_gsm8k.cli(
-            [*RUN_FLAGS, "--steps", "5", "--save-every", "0", "--out", str(tmp_path / "r")]
-        )
-        == 1
-    )
+    assert train_gsm8k.cli([*RUN_FLAGS, "--steps", "5", "--save-every", "0", "--out",
+                            str(tmp_path / "r")]) == 1
     err = capsys.readouterr().err
     assert "stopped at step 2" in err and "no checkpoint was written" in err
     (model, start), = loaded
@@ -392,9 +333,8 @@ def test_non_finite_logits_in_training_stop_the_run_with_weights_untouched(
     (lambda completions, **kw: [1.0], "returned 1 values for 2 completions"),
     (lambda completions, **kw: ["yes"] * len(completions), "returned 'yes'; expected a number"),
 ])
-def test_a_broken_reward_function_fails_before_any_model_loads(
-    tmp_path, cache, monkeypatch, capsys, bad, expected
-):
+def test_a_broken_reward_function_fails_before_any_model_loads(tmp_path, cache, monkeypatch, capsys,
+                                                               bad, expected):
     import rewards as rewards_mod
     monkeypatch.setattr(gsm8k, "REWARD_FUNCS", [bad, rewards_mod.format_reward])
     assert train_gsm8k.cli([*RUN_FLAGS, "--steps", "2", "--out", str(tmp_path / "r")]) == 2

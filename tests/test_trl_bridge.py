@@ -7,9 +7,8 @@ without them. CPU, offline, ~15 s.
 
 import pytest
 
-trl = pytest.importorskip(
-    "trl", reason="TRL is not installed: pip install -r benchmarks/requirements.txt"
-)
+trl = pytest.importorskip("trl",
+                          reason="TRL is not installed: pip install -r benchmarks/requirements.txt")
 
 
 def test_trl_trains_two_steps_with_our_data_and_rewards(tmp_path, monkeypatch):
@@ -21,33 +20,16 @@ def test_trl_trains_two_steps_with_our_data_and_rewards(tmp_path, monkeypatch):
     tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2).save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
 
-    trainer = train_trl.main(
-        [
-            "--model",
-            str(tmp_path / "model"),
-            "--data",
-            "tiny",
-            "--steps",
-            "2",
-            "--prompts-per-step",
-            "2",
-            "--group-size",
-            "4",
-            "--max-new-tokens",
-            "16",
-            "--cpu",
-            "--out",
-            str(tmp_path / "out"),
-        ]
-    )
+    trainer = train_trl.main(["--model", str(tmp_path / "model"), "--data", "tiny", "--steps", "2",
+                              "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens",
+                              "16",
+                              "--cpu", "--out", str(tmp_path / "out")])
     assert trainer.state.global_step == 2
     logs = [h for h in trainer.state.log_history if "reward" in h]
     assert len(logs) == 2
     # Our reward functions ran inside TRL, under their own names, with the paper's settings.
-    assert all(
-        "rewards/correctness_reward/mean" in h and "rewards/format_reward/mean" in h for h in logs
-    )
-    assert (
-        trainer.args.loss_type == "grpo" and trainer.args.beta == 0.04 and trainer.args.top_k == 0
-    )
+    assert all("rewards/correctness_reward/mean" in h and "rewards/format_reward/mean" in h
+               for h in logs)
+    assert trainer.args.loss_type == "grpo" and trainer.args.beta == 0.04
+    assert trainer.args.top_k == 0
     AutoModelForCausalLM.from_pretrained(tmp_path / "out")
