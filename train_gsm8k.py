@@ -13,8 +13,7 @@ measures greedy accuracy on held-out problems, runs --steps GRPO steps, measures
 summary.json, metrics.jsonl (every metric, every step), curves.png, samples.jsonl, final/ (the
 model) and checkpoint-<step>/ to --out. The pieces live beside it: gsm8k.py (data, prompts, rewards,
 evaluation), checkpoint.py (crash-safe saves, resume), report.py (logs, curves, tables), flags.py
-(the flags, from the config dataclasses) and tiny_world.py (the offline model and problems, whose
-supervised warm start is built on the first run and cached).
+(the flags, from the config dataclasses), tiny_world.py (the offline model, problems, warm start).
 """
 
 from __future__ import annotations
@@ -169,8 +168,8 @@ def main(argv=None) -> dict:
     from tqdm.auto import tqdm
     if tcfg.threads:
         torch.set_num_threads(tcfg.threads)
-    device = "cuda" if tcfg.device == "auto" and torch.cuda.is_available() else (
-        "cpu" if tcfg.device == "auto" else tcfg.device)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device if tcfg.device == "auto" else tcfg.device
 
     # Data, and the reward functions tried on it, before any model loads. WHY the extra rows:
     # dynamic sampling tops batches up with fresh prompts (at most this many rounds).
@@ -194,7 +193,8 @@ def main(argv=None) -> dict:
     if tcfg.resume:
         del policy
         policy, optimizer, state = checkpoint.resume(out, device, gcfg, LOGS)
-        tqdm.write(f"resuming {out} from step {state['step']} of {tcfg.steps}")
+        tqdm.write(f"resuming {out} from checkpoint-{state['step']:06d} "
+                   f"(step {state['step']} of {tcfg.steps})")
     else:
         optimizer = grpo.make_optimizer(policy, gcfg)
         state = {"step": 0, "evals": [], "wall_seconds": 0.0, "bad_in_a_row": 0,
