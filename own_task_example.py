@@ -1,19 +1,16 @@
 """
-own_task_example.py -- the template for training GRPO on YOUR task: your rows, your reward,
-grpo.py's step.
+own_task_example.py -- the template for GRPO on YOUR task: your rows, your reward, grpo.py's step.
 
 The task here: reverse a string of three digits ("307" -> "703"). A randomly initialised tiny model
 gets better at it from a partial-credit reward alone (mean reward from chance, 0.1, to about 0.4 in
-150 steps),
-offline, on a CPU, in about 15 seconds:
+150 steps), offline, on a CPU, in about 15 seconds:
 
-    python own_task_example.py            # prints the reward every 25 steps, then a few greedy
-    answers
+    python own_task_example.py       # the reward every 25 steps, then a few greedy answers
 
 To make it yours, change three things and keep the loop:
     1. make_rows():  your data, one dict per prompt: a "prompt" plus any columns your reward needs;
     2. reversal_reward(): your reward, with TRL's signature f(prompts, completions, **columns) ->
-    list[float];
+       list[float];
     3. the tokenizer and model: any Hugging Face causal LM (here a tiny one from tiny_world.py).
 """
 
@@ -53,8 +50,8 @@ def main(steps: int = 200, seed: int = 0, log=print) -> list[float]:
     model = tiny_world.tiny_llama(tok, hidden=64, layers=2, heads=4, seed=seed)
     # lr 3e-3: our choice for a ~100 k-parameter model; max_new_tokens 4: three digits and an EOS.
     # DEVIATION: beta = 0 (no reference model). The model starts random, so a KL pull toward its
-    #            random
-    # start would only slow learning; with a pretrained model keep the paper's 0.04.
+    #            random start would only slow learning; with a pretrained model keep the paper's
+    #            0.04.
     cfg = grpo.GRPOConfig(group_size=8, max_new_tokens=4, lr=3e-3, beta=0.0, micro_batch_size=128)
     ref, opt = None, grpo.make_optimizer(model, cfg)
 

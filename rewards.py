@@ -13,17 +13,15 @@ Where a completion's final answer is read from, in this order:
     4. else the number right after "answer is"
     5. else the last number anywhere in the text
 The model is being optimised against this checker, so it is strict about anything that games it.
-Each of
-these earns nothing (tests/test_rewards.py has one adversarial case per line):
+Each of these earns nothing (tests/test_rewards.py has one adversarial case per line):
     - hedging: two answers that disagree (`\\boxed{17}` next to `#### 18`, two "answer is"), or a
-    marker
-      holding more than one number (`#### 12 or 13`);
+      marker holding more than one number (`#### 12 or 13`);
     - repeating a marker (two `####` lines, two boxes, two <answer> tags), even with the same
-    number;
+      number;
     - a final number that is one item of a list (`12, 13, 14`): a list commits to nothing;
     - an empty `\\boxed{}` or `####`;
     - an answer that appears only in an echo of the prompt or question (it is removed before
-    reading);
+      reading);
     - a completion longer than MAX_CHARS.
 Every function here runs in time linear in the text, and never raises on any string.
 
@@ -41,17 +39,15 @@ from decimal import Decimal
 from fractions import Fraction
 
 # WHY: 10,000 characters is ~2.5x the ~4,000 that the paper's 1,024-token cap allows. Past it, a
-#      completion
-# is not a GSM8K solution, and the cap keeps every call under a few milliseconds (tested). Raise it
-# for long chains of thought.
+#      completion is not a GSM8K solution, and the cap keeps every call under a few milliseconds
+#      (tested). Raise it for long chains of thought.
 MAX_CHARS = 10_000
 
 # A number: optional sign and dollar sign, digits with optional thousands commas (groups of exactly
 # 3), optional decimals. "1,2,3" reads as three numbers; "1,234" as one. A trailing period is not
 # part of it.
 _NUMBER = re.compile(
-    # a minus right after a letter, digit or ")" is subtraction, not a sign: "10-5" reads as 10 and
-    # 5
+    # a minus right after a letter, digit or ")" is subtraction, not a sign: "10-5" is 10 and 5
     r"(?P<sign>(?<![\w)])[-−])?"
     r"(?:\\?\$\s?(?P<sign2>[-−])?)?"                                    # "$5", "\\$5", "$-5"
     r"(?P<digits>(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)"       # "1,234.50", "1234", ".5"
@@ -305,9 +301,8 @@ def step_token_index(
     out = []
     for ids, n, ends in zip(completion_ids.tolist(), lengths.tolist(), step_ends):
         # WHY decode prefixes, not single tokens: a SentencePiece token decoded alone loses its
-        # leading
-        #     space, and a byte-level token holding part of a character decodes to "\ufffd". A
-        #     prefix decodes as the whole text does.
+        #     leading space, and a byte-level token holding part of a character decodes to
+        #     "\ufffd". A prefix decodes as the whole text does.
         def chars_through(k, ids=ids):  # length of the text that tokens 0..k decode to
             return len(tokenizer.decode(ids[:k + 1], skip_special_tokens=True))
         text_len = chars_through(n - 1) if n else 0

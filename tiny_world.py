@@ -1,23 +1,22 @@
 """
-tiny_world.py -- the offline stand-in for "a pretrained LM plus GSM8K", small enough for a laptop
-CPU.
+tiny_world.py -- the offline stand-in for "a pretrained LM plus GSM8K", small enough for a CPU.
 
 It is the R1 recipe in miniature: a supervised warm start that leaves a tiny model partly right,
 then GRPO (train_gsm8k.py) makes it better. Nothing here downloads anything.
 
     char_tokenizer()     a real `PreTrainedTokenizerFast`, one token per character
-    (save/from_pretrained work)
-    tiny_llama()         a randomly initialised `LlamaForCausalLM` (the warm start uses about 0.5 M
-    parameters)
+                         (save/from_pretrained work)
+    tiny_llama()         a randomly initialised `LlamaForCausalLM` (the warm start uses about
+                         0.5 M parameters)
     make_problems()      GSM8K-style word problems of 1-3 steps, solved in GSM8K's layout:
                              3*4=<<3*4=12>>12
                              12+12=<<12+12=24>>24
                              #### 24
-                         Train and test are disjoint by construction (a hash of the question picks
-                         the split).
-    warm_start()         supervised training on those solutions, stopped while the model is still
-    partly
-                         wrong; the checkpoint is cached on disk, built once and reused.
+                         Train and test are disjoint by construction (a hash of the question
+                         picks the split).
+    warm_start()         supervised training on those solutions, stopped while the model is
+                         still partly wrong; the checkpoint is cached on disk, built once and
+                         reused.
 
 Why the warm-start text has mistakes on purpose: real pretraining text is written by people who
 slip. Here the careless author of the warm-start solutions works every step out right, then often
@@ -82,8 +81,7 @@ def tiny_llama(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, ffn
         eos_token_id=tokenizer.eos_token_id,
     )
     model = LlamaForCausalLM(config)
-    # NOTE: a fresh model's generation_config has no special ids; set them so generate() knows when
-    #       to stop.
+    # NOTE: a fresh model's generation_config has no special ids; set them so generate() stops.
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id

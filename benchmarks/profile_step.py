@@ -1,19 +1,17 @@
 """
-benchmarks/profile_step.py -- where the time of one grpo_step goes, and how it grows with G, length
+benchmarks/profile_step.py -- where one grpo_step's time goes, and how it grows with G, length
 and size.
 
-    python benchmarks/profile_step.py                 # profile: hidden-64 model, G=4, 2 prompts, 32
-    tokens, 1 thread
-    python benchmarks/profile_step.py --scaling       # scaling table over G, completion length and
-    model size
+    python benchmarks/profile_step.py             # profile: hidden 64, G=4, 2 prompts, 32 tokens
+    python benchmarks/profile_step.py --scaling   # scaling over G, completion length and model size
 
 The profile times grpo.py's own functions from outside (nothing in grpo.py changes to be measured):
     generation          sample_completions
     no-grad log-probs   token_logprobs under torch.no_grad (π_old when μ > 1, and π_ref)
     train fwd+bwd       token_logprobs with gradients, the loss and backward()
     optimizer           optimizer.step (AdamW) and zero_grad
-    everything else     the step's wall time minus the above: rewards, advantages, metrics, Python
-    glue.
+    everything else     the step's wall time minus the above: rewards, advantages, metrics,
+                        Python glue.
 "Everything else" is this project's own overhead.
 
 The scaling table runs each setting in a fresh process (so peak RSS is that setting's own), sweeps

@@ -1,34 +1,26 @@
 """
-benchmarks/vs_trl.py -- our grpo_step against TRL's GRPOTrainer on identical work, measured in one
-run.
+benchmarks/vs_trl.py -- our grpo_step against TRL's GRPOTrainer on identical work, in one run.
 
-    pip install -r benchmarks/requirements.txt           # TRL: a benchmark dependency only
-    python benchmarks/vs_trl.py                          # hidden-64 model, G=4, 2 prompts/step, 32
-    tokens, 1 thread
-    python benchmarks/vs_trl.py --hidden 256 --layers 4  # the larger size
-    python benchmarks/vs_trl.py --arch qwen2.5-0.5b --device cuda --bf16 --group-size 8 --tokens 512
-    \
-        --steps 5 --warmup 1 --rounds 1                  # on a GPU: Qwen2.5-0.5B's architecture,
-        random weights
+    pip install -r benchmarks/requirements.txt    # TRL: a benchmark dependency only
+    python benchmarks/vs_trl.py                   # hidden-64 model, G=4, 2 prompts, 32 tokens
+    python benchmarks/vs_trl.py --hidden 256 --layers 4                     # the larger size
+    python benchmarks/vs_trl.py --arch qwen2.5-0.5b --device cuda --bf16 --group-size 8 \
+        --tokens 512 --steps 5 --warmup 1 --rounds 1    # on a GPU: Qwen2.5-0.5B's architecture
 
 Identical work on both sides:
     - the same saved model and tokenizer (a tiny_world Llama or Qwen2.5-0.5B's architecture, random
-    weights,
-      the tiny_world character tokenizer, saved to a temporary folder);
+      weights, the tiny_world character tokenizer, saved to a temporary folder);
     - the same prompts (tiny-world questions), G, prompts per step, and completion length, forced
-    with
-      min_new_tokens = max_new_tokens so neither side can stop early;
+      with min_new_tokens = max_new_tokens so neither side can stop early;
     - fp32 (or, with --bf16, bf16 autocast over fp32 weights), the same device and torch thread
-    count,
-      offline (HF_HUB_OFFLINE=1, report_to="none");
+      count, offline (HF_HUB_OFFLINE=1, report_to="none");
     - the same beta, num_iterations (μ), loss_type ("grpo"), learning rate, grad-norm clip, sampling
       (temperature 1, top_k 0, top_p 1) and reward function (rewards.correctness_reward).
 
 Each side runs in a fresh process of its own, so its peak RSS is its own (imports included: that is
 what a user pays). The sides alternate for --rounds rounds, so a busy machine slows both alike; the
 reported s/step is the median over rounds of each round's median step time after --warmup steps, and
-the per-round ratios show how
-noisy the machine was. The last line printed is JSON:
+the per-round ratios show how noisy the machine was. The last line printed is JSON:
     {"ours_s_per_step", "trl_s_per_step", "ratio", "round_ratios", "ours_peak_rss_mb",
     "trl_peak_rss_mb",
      "ours_peak_gpu_mb" and "trl_peak_gpu_mb" (on a GPU: torch.cuda.max_memory_allocated), ...}
@@ -51,8 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-# Qwen2.5-0.5B's architecture, from its config.json (the weights here are random: the hub is not
-# needed).
+# Qwen2.5-0.5B's architecture, from its config.json (the weights are random: no hub needed).
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_attention_heads=14, num_key_value_heads=2, hidden_act="silu",
                   max_position_embeddings=32768,

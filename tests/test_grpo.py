@@ -155,9 +155,9 @@ LENGTHS_1_AND_3 = dict(
 
 
 @pytest.mark.parametrize("loss_type, expected_loss, expected_grads", [
-    # per-token losses: sequence 1 (length 1, A=+1) has -1; sequence 2 (length 3, A=-1) has +1 per
-    # token. 'grpo':    ( -1/1 + 3/3 ) / 2 = 0;      d/dlogp: seq1 -1/(1·2) = -0.5, seq2 +1/(3·2) =
-    # +0.1667
+    # per-token losses: sequence 1 (length 1, A=+1) has -1; sequence 2 (length 3, A=-1) has +1
+    # per token.
+    # 'grpo':    ( -1/1 + 3/3 ) / 2 = 0;   d/dlogp: seq1 -1/(1·2) = -0.5, seq2 +1/(3·2) = +0.1667
     ("grpo", 0.0, [-0.5, 1 / 6]),
     # 'token':   ( -1 + 3 ) / 4 tokens = 0.5; d/dlogp: -1/4 and +1/4
     ("token", 0.5, [-0.25, 0.25]),
@@ -253,8 +253,8 @@ def test_sample_completions_groups_and_masks(tiny):
     batch = grpo.sample_completions(model, tok, ["ab", "abcdef"], cfg)
     N, T = batch["completion_ids"].shape
     assert N == 8 and T <= 8
-    # decoding ran under inference_mode; its outputs must still be ordinary tensors that backward
-    # can save
+    # decoding ran under inference_mode; its outputs must still be ordinary tensors backward can
+    # save
     assert not any(v.is_inference() for v in batch.values() if torch.is_tensor(v))
     assert torch.equal(batch["prompt_ids"][0], batch["prompt_ids"][3])   # group rows are contiguous
     assert not torch.equal(batch["prompt_ids"][0], batch["prompt_ids"][4])
@@ -445,8 +445,7 @@ def test_process_advantages_hand_worked():
     """G = 2, T = 4. Completion 0 has steps ending at tokens 1 and 3, both right (reward 1);
     completion 1 has one step ending at token 2, wrong (0). R = [1, 1, 0]: mean 2/3, sample std
     sqrt(((1/3)^2 * 2 + (2/3)^2) / 2) = sqrt(1/3) = 0.57735, so r̃ = [+0.57735, +0.57735, -1.15470]
-    (eps 0 here).
-    Each token sums the r̃ of the steps ending at or after it:
+    (eps 0 here). Each token sums the r̃ of the steps ending at or after it:
         completion 0: [0.577+0.577, 0.577+0.577, 0.577, 0.577] = [1.15470, 1.15470, 0.57735,
         0.57735]
         completion 1: [-1.15470, -1.15470, -1.15470, 0]  (nothing ends after token 2)"""

@@ -46,8 +46,7 @@ def test_sigkill_mid_run_then_resume_loses_nothing_and_matches_an_uninterrupted_
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "GRPO_TINY_CACHE": str(tmp_path / "cache")}
     script = [sys.executable, str(ROOT / "train_gsm8k.py"), *FLAGS, "--steps", "8"]
 
-    # The uninterrupted run (it also builds the warm start, so the killed run below spends no time
-    # on it).
+    # The uninterrupted run (it also builds the warm start, so the killed run spends no time on it).
     whole = tmp_path / "whole"
     done = subprocess.run([*script, "--out", str(whole)], env=env, cwd=ROOT, capture_output=True,
                           text=True,
@@ -79,8 +78,8 @@ def test_sigkill_mid_run_then_resume_loses_nothing_and_matches_an_uninterrupted_
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"from checkpoint-{saved_step:06d}" in resumed.stdout
 
-    # Same final step, every step exactly once, and every step the killed run had checkpointed kept
-    # as it was.
+    # Same final step, every step exactly once, and every step the killed run had checkpointed
+    # kept as it was.
     summary = json.loads((killed / "summary.json").read_text())
     assert summary["steps"] == 8
     after = steps_of(killed)

@@ -256,8 +256,7 @@ def test_calculator_process_reward_hand_worked():
     ends at 33; the final answer 18 is wrong against the gold 17, at the end of the text (43)."""
     text = "3*4=<<3*4=12>>12\n12+5=<<12+5=18>>18\n#### 18"
     assert calculator_process_reward([text], ["#### 17"]) == [[(14, 1.0), (33, 0.0), (43, 0.0)]]
-    # no annotations: one step
-    assert calculator_process_reward(["#### 17"], ["17"]) == [[(7, 1.0)]]
+    assert calculator_process_reward(["#### 17"], ["17"]) == [[(7, 1.0)]]  # no annotations
     assert calculator_process_reward(["<<9**9**9**9=1>> #### 1"], ["1"]) == [[(16, 0.0), (23, 1.0)]]
 
 
