@@ -15,7 +15,12 @@ Identical work on both sides:
     - fp32 (or, with --bf16, bf16 autocast over fp32 weights), the same device and torch thread
       count, offline (HF_HUB_OFFLINE=1, report_to="none");
     - the same beta, num_iterations (μ), loss_type ("grpo"), learning rate, grad-norm clip, sampling
-      (temperature 1, top_k 0, top_p 1) and reward function (rewards.correctness_reward).
+      (temperature 1, top_k 0, top_p 1) and reward function (rewards.correctness_reward);
+    - gradient checkpointing off on both sides (TRL's default is on), or on for both with
+      --gradient-checkpointing; dropout off and a KV cache in generation on both.
+Each side reports the settings it effectively ran with (read back from its config, its model and,
+for TRL, its trainer), and the JSON carries both sets and every one that differs ("settings_differ",
+empty when the work is identical; tests/test_benchmarks.py checks that it is).
 
 Each side runs in a fresh process of its own, so its peak RSS is its own (imports included: that is
 what a user pays). The sides alternate for --rounds rounds, so a busy machine slows both alike; the
@@ -114,6 +119,57 @@ def grpo_config(a):
                            micro_batch_size=a.prompts * a.group_size)
 
 
+def max_dropout(model) -> float:
+    """The largest dropout probability left anywhere in the model (0.0 when all are off)."""
+    import torch
+    ps = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    ps += [m.attention_dropout for m in model.modules()
+           if isinstance(getattr(m, "attention_dropout", None), float)]
+    return max(ps, default=0.0)
+
+
+def checkpointing(model) -> bool:
+    """Whether the model recomputes activations in backward (transformers 5 renamed the flag)."""
+    flag = getattr(model, "is_activation_checkpointing", None)
+    return bool(model.is_gradient_checkpointing if flag is None else flag)
+
+
+def our_settings(a, cfg, policy) -> dict:
+    """What our side effectively runs with, in the vocabulary both sides share (trl_settings)."""
+    return {"group_size": cfg.group_size, "completions_per_step": a.prompts * cfg.group_size,
+            "max_new_tokens": cfg.max_new_tokens, "min_new_tokens": cfg.min_new_tokens,
+            "temperature": cfg.temperature,
+            # NOTE: grpo.draw_tokens has no top-k or top-p at all: these are its fixed values.
+            "top_k": 0, "top_p": 1.0,
+            "beta": cfg.beta, "num_iterations": cfg.num_iterations, "loss_type": cfg.loss_type,
+            "scale_rewards": cfg.scale_rewards, "clip_eps": cfg.clip_eps,
+            "clip_eps_high": cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high,
+            "lr": cfg.lr, "lr_schedule": "constant", "weight_decay": cfg.weight_decay,
+            "max_grad_norm": cfg.max_grad_norm, "bf16": a.bf16,
+            "gradient_checkpointing": checkpointing(policy), "max_dropout": max_dropout(policy),
+            "generation_kv_cache": True}  # NOTE: engine.decode always keeps a KV cache
+
+
+def trl_settings(trainer) -> dict:
+    """What TRL's GRPOTrainer effectively ran with, read back from the trainer after training."""
+    args, gen = trainer.args, trainer.generation_config
+    schedule = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+    warm = args.warmup_steps or getattr(args, "warmup_ratio", 0) or 0
+    return {"group_size": args.num_generations,
+            "completions_per_step": args.per_device_train_batch_size
+            * args.gradient_accumulation_steps,
+            "max_new_tokens": gen.max_new_tokens, "min_new_tokens": gen.min_new_tokens or 0,
+            "temperature": gen.temperature, "top_k": gen.top_k or 0, "top_p": gen.top_p,
+            "beta": args.beta, "num_iterations": args.num_iterations, "loss_type": args.loss_type,
+            "scale_rewards": args.scale_rewards in ("group", True), "clip_eps": trainer.epsilon_low,
+            "clip_eps_high": trainer.epsilon_high, "lr": args.learning_rate,
+            "lr_schedule": schedule if not warm else f"{schedule} with warm-up",
+            "weight_decay": args.weight_decay, "max_grad_norm": args.max_grad_norm,
+            "bf16": bool(args.bf16), "gradient_checkpointing": checkpointing(trainer.model),
+            "max_dropout": max_dropout(trainer.model),
+            "generation_kv_cache": gen.use_cache is not False}
+
+
 def run_ours(a) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -125,6 +181,11 @@ def run_ours(a) -> dict:
     policy = grpo.disable_dropout(AutoModelForCausalLM.from_pretrained(a.model_dir,
                                                                        dtype=torch.float32))
     policy = policy.to(a.device)
+    if a.gradient_checkpointing:  # as train_gsm8k.py --gradient-checkpointing does it
+        (getattr(policy, "activation_checkpointing_enable", None)
+         or policy.gradient_checkpointing_enable)()
+        policy.config.use_cache = False
+    policy.train()
     cfg = grpo_config(a)
     ref = grpo.make_reference(policy) if a.beta else None
     opt = grpo.make_optimizer(policy, cfg)
@@ -143,7 +204,7 @@ def run_ours(a) -> dict:
                            columns={"answer": [r["answer"] for r in batch]})
         sync(a.device)
         times.append(time.perf_counter() - t)
-    return {"step_times": times, **peaks(a.device)}
+    return {"step_times": times, **peaks(a.device), "settings": our_settings(a, cfg, policy)}
 
 
 def run_trl(a) -> dict:
@@ -180,13 +241,15 @@ def run_trl(a) -> dict:
             max_grad_norm=1.0,
             logging_steps=1, save_strategy="no", shuffle_dataset=False, dataloader_num_workers=0,
             disable_dropout=True, log_completions=False,
+            # WHY: TRL 1.16 defaults gradient checkpointing to True; ours is off unless asked for.
+            gradient_checkpointing=a.gradient_checkpointing,
         )
         trainer = GRPOTrainer(model=model, reward_funcs=[rewards.correctness_reward], args=args,
                               train_dataset=Dataset.from_list(rows_for(a.steps * a.prompts)),
                               processing_class=tok,
                               callbacks=[StepTimer()])
         trainer.train()
-    return {"step_times": times, **peaks(a.device)}
+    return {"step_times": times, **peaks(a.device), "settings": trl_settings(trainer)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,7 +261,9 @@ def worker_cmd(a, side: str, model_dir: Path) -> list[str]:
               "num_iterations", "lr",
               "device"):
         flags += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
-    return [sys.executable, __file__, *flags, *(["--bf16"] if a.bf16 else [])]
+    switches = [f"--{k.replace('_', '-')}" for k in ("bf16", "gradient_checkpointing")
+                if getattr(a, k)]
+    return [sys.executable, __file__, *flags, *switches]
 
 
 def run_worker(cmd: list[str]) -> dict:
@@ -235,6 +300,8 @@ def main(argv=None):
                    help="cpu (default) or cuda; on cuda peak GPU memory is reported too")
     p.add_argument("--bf16", action="store_true",
                    help="bf16 autocast over fp32 weights on both sides (default fp32)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute activations in backward, on both sides (default: off on both)")
     p.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -309,6 +376,11 @@ def main(argv=None):
                    + (f", {torch.cuda.get_device_name(a.device)}" if on_gpu else ""),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "trl": trl.__version__,
+        # Each side's effective settings, as it reported them, and every one that differs.
+        "settings": {"ours": runs["ours"][0]["settings"], "trl": runs["trl"][0]["settings"]},
+        "settings_differ": {k: [v, runs["trl"][0]["settings"].get(k)]
+                            for k, v in runs["ours"][0]["settings"].items()
+                            if v != runs["trl"][0]["settings"].get(k)},
     }
     rows = [("median s/step", ours, theirs, ".3f"),
             ("peak RSS (MB)", result["ours_peak_rss_mb"], result["trl_peak_rss_mb"], ".0f")]
@@ -320,7 +392,11 @@ def main(argv=None):
           f"| ours | TRL GRPOTrainer | ours / TRL |\n|---|---|---|---|")
     for name, x, y, fmt in rows:
         print(f"| {name} | {x:{fmt}} | {y:{fmt}} | {x / y:.2f} |")
-    print(f"\nper-round ratios (ours / TRL): {min(round_ratios):.2f} to {max(round_ratios):.2f}\n")
+    print(f"\nper-round ratios (ours / TRL): {min(round_ratios):.2f} to {max(round_ratios):.2f}")
+    differ = result["settings_differ"]
+    print(f"settings that differ between the sides: {differ}\n" if differ else
+          f"the sides' {len(result['settings']['ours'])} effective settings are equal "
+          f"(gradient checkpointing {'on' if a.gradient_checkpointing else 'off'})\n")
     print(json.dumps(result))
     return result
 

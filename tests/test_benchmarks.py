@@ -24,13 +24,21 @@ def run(*args):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("precision", [[], ["--bf16"], ["--gradient-checkpointing"]],
+                         ids=["fp32", "bf16-autocast", "checkpointing"])
 def test_vs_trl_reports_both_sides(precision):
+    """Both sides run and report; and the settings each side reports it effectively ran with (TRL's
+    read back from its trainer after training) are equal, gradient checkpointing included."""
     pytest.importorskip("trl",
                         reason="TRL is not installed: pip install -r benchmarks/requirements.txt")
     res = run("benchmarks/vs_trl.py", "--steps", "3", "--warmup", "1", "--rounds", "1", "--tokens",
               "4", *precision)
-    assert res["precision"] == ("bf16 autocast" if precision else "fp32") and res["device"] == "cpu"
+    ours, trl = res["settings"]["ours"], res["settings"]["trl"]
+    assert res["settings_differ"] == {} and ours == trl and len(ours) >= 20
+    assert ours["gradient_checkpointing"] is ("--gradient-checkpointing" in precision)
+    assert ours["bf16"] is ("--bf16" in precision) and ours["max_dropout"] == 0.0
+    assert res["precision"] == ("bf16 autocast" if "--bf16" in precision else "fp32")
+    assert res["device"] == "cpu"
     assert "ours_peak_gpu_mb" not in res                                        # only on a GPU
     for key in ("ours_s_per_step", "trl_s_per_step", "ratio", "ours_peak_rss_mb",
                 "trl_peak_rss_mb"):
