@@ -79,10 +79,11 @@ def train_run(out: Path, variant: str, seed: int, common: list[str], threads: in
 
 
 def settings_of(d: Path) -> tuple:
-    """(train settings, GRPOConfig) a finished train_gsm8k.py run recorded in its summary.json."""
+    """(train settings, GRPOConfig, model name) a finished train_gsm8k.py run recorded in its
+    summary.json."""
     import grpo
     summary = json.loads((d / "summary.json").read_text())
-    return summary["train_config"], grpo.GRPOConfig(**summary["grpo_config"])
+    return summary["train_config"], grpo.GRPOConfig(**summary["grpo_config"]), summary["model"]
 
 
 def sft_control_run(out: Path, seed: int, seconds: float, settings, threads: int) -> Path:
@@ -96,12 +97,11 @@ def sft_control_run(out: Path, seed: int, seconds: float, settings, threads: int
     import checkpoint
     import gsm8k
     import tiny_world
-    t, gcfg = settings
+    t, gcfg, name = settings  # WHY the run's own model name: the control starts from that model
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     ws = tiny_world.WarmStartConfig(steps=t["warm_start_steps"], seed=t["warm_start_seed"])
     model, tok = checkpoint.load_pretrained(str(tiny_world.warm_start(ws, log=lambda *a: None)))
-    name = f"tiny-world warm start ({ws.steps} supervised steps, seed {ws.seed})"
     _, eval_rows = gsm8k.load_data("tiny", t["eval_size"], n_train=1)
 
     def evaluate(desc):
@@ -233,7 +233,7 @@ def main(argv=None):
                       [(v, s) for v in rl for s in a.seeds]))
 
     # Every variant shares G and the prompts per step: read them from the first run's settings.
-    train_settings, gcfg = settings_of(run_dir(out, rl[0], a.seeds[0]))
+    train_settings, gcfg, _ = settings_of(run_dir(out, rl[0], a.seeds[0]))
     G, B = gcfg.group_size, train_settings["prompts_per_step"]
     if "sft_control" in a.variants:
         for seed in a.seeds:

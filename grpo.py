@@ -271,9 +271,9 @@ def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig, gr
                     add_special_tokens=False)
     prompt_ids, prompt_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
     eos_ids, pad_id = engine.eos_token_ids(model, tokenizer), engine.pad_token_id(model, tokenizer)
-    pick = functools.partial(draw_tokens, eos=torch.tensor(eos_ids, device=device), pad_id=pad_id,
-                             temperature=cfg.temperature, min_new_tokens=cfg.min_new_tokens,
-                             greedy=greedy)
+    eos = torch.tensor(eos_ids, device=device)                                        # (E,)
+    pick = functools.partial(draw_tokens, eos=eos, pad_id=pad_id, temperature=cfg.temperature,
+                             min_new_tokens=cfg.min_new_tokens, greedy=greedy)
     # NOTE: the fast path lives in engine.py (KV cache, one prefill per prompt, ready masks) and
     #       makes exactly the draws of reference_decode above; cfg.sampler picks one.
     decode = engine.decode if cfg.sampler == "engine" else reference_decode
@@ -288,7 +288,7 @@ def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig, gr
     kept = completion_ids * completion_mask + pad_id * (1 - completion_mask)          # (N, T)
     texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
     # A completion with no EOS at all stopped because it hit max_new_tokens.
-    truncated = ~torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)  # (N,)
+    truncated = ~torch.isin(completion_ids, eos).any(1)                               # (N,)
     return dict(prompt_ids=prompt_ids.repeat_interleave(G, 0),                        # (N, P)
                 prompt_mask=prompt_mask.repeat_interleave(G, 0),                      # (N, P)
                 completion_ids=completion_ids, completion_mask=completion_mask,       # (N, T)

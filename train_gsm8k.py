@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import checkpoint
+import engine
 import flags
 import grpo
 import gsm8k
@@ -205,10 +206,7 @@ def main(argv=None) -> dict:
             (out / name).write_text("")
     state.update(train_config=dataclasses.asdict(tcfg), grpo_config=dataclasses.asdict(gcfg))
     if tcfg.gradient_checkpointing:
-        # NOTE: transformers 5 renamed it activation_checkpointing_enable; 4.x has the old name.
-        (getattr(policy, "activation_checkpointing_enable", None)
-         or policy.gradient_checkpointing_enable)()
-        policy.config.use_cache = False
+        engine.enable_activation_checkpointing(policy)
     policy.train()
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=tcfg.bf16)
     n_params = sum(p.numel() for p in policy.parameters()) / 1e6

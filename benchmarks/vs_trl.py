@@ -182,9 +182,8 @@ def run_ours(a) -> dict:
                                                                        dtype=torch.float32))
     policy = policy.to(a.device)
     if a.gradient_checkpointing:  # as train_gsm8k.py --gradient-checkpointing does it
-        (getattr(policy, "activation_checkpointing_enable", None)
-         or policy.gradient_checkpointing_enable)()
-        policy.config.use_cache = False
+        import engine
+        engine.enable_activation_checkpointing(policy)
     policy.train()
     cfg = grpo_config(a)
     ref = grpo.make_reference(policy) if a.beta else None
