@@ -25,6 +25,9 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import inspect
+import sys
+import time
+import weakref
 
 import torch
 
@@ -147,3 +150,158 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_siz
                         position_ids=next_position + t, use_cache=True, **{kv_name: cache})
             logits = out.logits[:, -1, :].float()                                # (N, V)
     return torch.stack(tokens, dim=1)                                            # (N, T)
+
+
+# ----------------------------------------------------------------------------------------------
+# The compiled decode loop: a static KV cache, and the per-token step under torch.compile
+# ----------------------------------------------------------------------------------------------
+# WHY: at small sizes a decode step's time is per-op framework overhead (Python, dispatch, kernel
+#      launches), not arithmetic. torch.compile fuses the step into a few kernels, and on CUDA
+#      replays it as one CUDA graph (mode="reduce-overhead"), as gpt-fast does. Both need every
+#      shape fixed from one token to the next, which a growing KV cache is not: so the cache is
+#      transformers' StaticCache, allocated once at (N, heads, L, head_dim) and written in place.
+PROMPT_BUCKET = 64
+"""Prompt widths are rounded up to a multiple of this, so prompt lengths that vary from step to
+step map to a few cache shapes, each compiled once (tests/test_engine.py)."""
+RECOMPILE_LIMIT = 64
+"""Compiled shapes (model x batch size x cache width) per process before decoding stays eager."""
+COMPILE_STATS = {"first_calls": 0, "first_call_seconds": 0.0}
+"""How many new (model, shape) pairs the compiled step has met, and the wall time of their first
+calls, which is where compilation happens. benchmarks/vs_trl.py reports it as ours_compile_s."""
+_caches = weakref.WeakKeyDictionary()  # model -> {shape key: StaticCache}, reused across steps
+_warned = set()                        # reasons for falling back, each printed once
+
+
+def compile_blocker(model) -> str | None:
+    """Why compiled decoding cannot run on this model, or None if it can."""
+    c = model.config
+    if transformers_major() < 5 or cache_kwarg(model) != "cache":
+        return "it needs transformers 5's StaticCache"
+    if not getattr(model, "_can_compile_fullgraph", False):
+        return f"{type(model).__name__} does not declare torch.compile support"
+    layer_types = getattr(c, "layer_types", None) or ["full_attention"]
+    if getattr(c, "sliding_window", None) is not None or set(layer_types) != {"full_attention"}:
+        return "sliding-window attention keeps a rolling cache, which the slot layout here is not"
+    return None
+
+
+def _decode_step(model, cache, ids, mask, positions):
+    """One token for every row: ids (N, 1) -> next-token logits (N, V). The compiled unit."""
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                use_cache=True)
+    return out.logits[:, -1, :].float()                                          # (N, V)
+
+
+@functools.cache
+def compiled_step(device_type: str):
+    """_decode_step under torch.compile; on CUDA replayed as a CUDA graph."""
+    # NOTE: dynamic=False: every shape is fixed by construction (static cache, bucketed prompts),
+    #       so one graph per shape is right, and no symbolic-shape guards are paid per call.
+    mode = "reduce-overhead" if device_type == "cuda" else None
+    return torch.compile(_decode_step, dynamic=False, mode=mode)
+
+
+def static_cache(model, N: int, P: int, T: int, like: torch.Tensor):
+    """(the model's StaticCache for N rows, Pb): prompts are left-padded to Pb >= P slots, then T
+    slots follow. Made once and reused while prompts fit; replaced, wider, when one does not.
+    WHY reused: a new cache shape means a new compile, and CUDA graphs replay on fixed addresses.
+    WHY grow-only: after the longest prompt has been seen, no later step compiles again."""
+    from transformers import StaticCache
+    caches = _caches.setdefault(model, {})
+    key = (N, T, like.dtype, like.device)
+    if key not in caches or caches[key][1] < P:
+        Pb = -(-P // PROMPT_BUCKET) * PROMPT_BUCKET                # P rounded up to the bucket
+        caches[key] = StaticCache(config=model.config, max_cache_len=Pb + T), Pb
+    return caches[key]
+
+
+def decode_compiled(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
+                    max_new_tokens: int, pick) -> torch.Tensor:
+    """decode() with a static KV cache and a compiled decode step; same contract, same tokens
+    (tests/test_engine.py). Falls back to decode(), with the reason printed once, where it cannot
+    run: see compile_blocker, and any error while compiling (no C++ compiler, an unsupported op).
+    """
+    reason = compile_blocker(model)
+    if reason is None:
+        rng = torch.random.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if prompt_ids.is_cuda else None
+        try:
+            return _decode_compiled(model, prompt_ids, prompt_mask, group_size, max_new_tokens,
+                                    pick)
+        except Exception as e:  # noqa: BLE001 -- any failure to compile means: run eagerly
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+            # WHY: the failed attempt may have drawn tokens; rewind so the seed's draws repeat.
+            torch.random.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+    if reason not in _warned:
+        _warned.add(reason)
+        print(f"NOTE: compiled decoding is off ({reason}); using the eager KV-cache loop",
+              file=sys.stderr)
+    return decode(model, prompt_ids, prompt_mask, group_size, max_new_tokens, pick)
+
+
+def _decode_compiled(model, prompt_ids, prompt_mask, group_size, max_new_tokens, pick):
+    G, T = group_size, max_new_tokens
+    B, P = prompt_ids.shape
+    N = B * G
+    step = compiled_step(prompt_ids.device.type)
+    cuda_graphs = prompt_ids.is_cuda
+    with torch.inference_mode():
+        # Prefill eagerly, once per distinct prompt, exactly as decode() does. WHY eager: prompt
+        # lengths vary, and a prefill is one call per step, so compiling it would not pay.
+        out = model(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True,
+                    position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),       # (B, P)
+                    **last_logits_only(model, 1))
+        logits = out.logits[:, -1, :].float().repeat_interleave(G, 0)            # (N, V)
+        # Copy the prompt's keys and values into slots Pb-P .. Pb-1 of the static cache; the slots
+        # before them stay zero and masked: extra left padding, which changes no logit.
+        prefilled = out["cache"].layers
+        cache, Pb = static_cache(model, N, P, T, prefilled[0].keys)     # Pb >= P prompt slots
+        new_shape = not cache.layers[0].is_initialized
+        for layer, filled in zip(cache.layers, prefilled):
+            k = filled.keys.repeat_interleave(G, 0)                              # (N, H, P, D)
+            v = filled.values.repeat_interleave(G, 0)                            # (N, H, P, D)
+            if not layer.is_initialized:
+                layer.lazy_initialization(k, v)
+            layer.keys.zero_()
+            layer.values.zero_()
+            layer.keys[:, :, Pb - P:Pb].copy_(k)
+            layer.values[:, :, Pb - P:Pb].copy_(v)
+            layer.cumulative_length.fill_(Pb)  # WHY: token t is written to slot Pb + t
+        prompt_mask = prompt_mask.repeat_interleave(G, 0)                        # (N, P)
+        seen = torch.zeros(N, Pb + T, dtype=torch.bool, device=prompt_ids.device)  # (N, L)
+        seen[:, Pb - P:Pb] = prompt_mask.bool()
+        # WHY: one fixed-shape mask for the whole loop, a column switched on per token: a ready 4D
+        #      view under SDPA (as in decode), the 2D mask for other attention kernels.
+        mask = seen[:, None, None, :] if sdpa_full_attention(model) else seen    # (N, 1, 1, L)
+        next_position = (prompt_mask.sum(1, keepdim=True) - 1).clamp(min=0) + 1  # (N, 1)
+        done = torch.zeros(N, dtype=torch.bool, device=prompt_ids.device)        # (N,)
+        tokens = []
+        for t in range(T):
+            next_ids, done = pick(logits, t, done)                               # (N,), (N,)
+            tokens.append(next_ids)
+            if done.all() or t == T - 1:
+                break
+            seen[:, Pb + t] = True
+            if cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            t0 = time.perf_counter()
+            # WHY (speed): after two calls with the same shapes (the first may compile), dynamo's
+            #      per-call guard evaluation, ~20% of a tiny model's step, is skipped: nothing it
+            #      checks can change inside this loop.
+            # WHY the limit: dynamo stops compiling a function after 8 shapes by default; here
+            #      each model, batch size and cache width is one, and a process may train several.
+            with (torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if t >= 2
+                  else torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)):
+                logits = step(model, cache, next_ids[:, None], mask, next_position + t)  # (N, V)
+            if t == 0 and new_shape:
+                COMPILE_STATS["first_calls"] += 1
+                COMPILE_STATS["first_call_seconds"] += time.perf_counter() - t0
+            if cuda_graphs:
+                logits = logits.clone()  # WHY: the next replay overwrites the graph's output
+    return torch.stack(tokens, dim=1)                                            # (N, T)
+
+
+DECODERS = {"engine": decode, "compiled": decode_compiled}
+"""grpo.GRPOConfig.sampler -> decode loop; 'reference' is grpo.reference_decode."""

@@ -151,9 +151,10 @@ class GRPOConfig:
     dynamic_sampling: int = 0
     """DAPO's dynamic sampling: drop groups whose rewards all agree and refill the batch from up to
     this many more rounds of fresh prompts (grpo_step's more_prompts). 0: off (paper)."""
-    sampler: Literal["engine", "reference"] = "engine"
-    """'engine': engine.py's fast loop; 'reference': reference_decode below. Both draw the same
-    tokens from the same seed (tests/test_engine.py); the reference is slower and plainer."""
+    sampler: Literal["engine", "compiled", "reference"] = "engine"
+    """'engine': engine.py's fast loop; 'compiled': the same with a static KV cache and the decode
+    step under torch.compile; 'reference': reference_decode below, slower and plainer. All three
+    draw the same tokens from the same seed (tests/test_engine.py)."""
 
     def __post_init__(self):
         """Settings that cannot work fail here, at construction, with one line naming the field."""
@@ -162,7 +163,7 @@ class GRPOConfig:
 
         for name, allowed in [("loss_type", LOSS_TYPES), ("supervision", ("outcome", "process")),
                               ("importance_sampling_level", ("token", "sequence")),
-                              ("sampler", ("engine", "reference"))]:
+                              ("sampler", ("engine", "compiled", "reference"))]:
             if getattr(self, name) not in allowed:
                 fail(name, f"one of {allowed}")
         if self.group_size < 2:
@@ -274,9 +275,9 @@ def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig, gr
     eos = torch.tensor(eos_ids, device=device)                                        # (E,)
     pick = functools.partial(draw_tokens, eos=eos, pad_id=pad_id, temperature=cfg.temperature,
                              min_new_tokens=cfg.min_new_tokens, greedy=greedy)
-    # NOTE: the fast path lives in engine.py (KV cache, one prefill per prompt, ready masks) and
-    #       makes exactly the draws of reference_decode above; cfg.sampler picks one.
-    decode = engine.decode if cfg.sampler == "engine" else reference_decode
+    # NOTE: the fast paths live in engine.py (KV cache, one prefill per prompt, ready masks,
+    #       compiled steps) and make exactly the draws of reference_decode above; cfg.sampler picks.
+    decode = engine.DECODERS.get(cfg.sampler, reference_decode)
     was_training = model.training
     model.eval()  # WHY: under gradient checkpointing, train mode turns the KV cache off.
     completion_ids = decode(model, prompt_ids, prompt_mask, G, cfg.max_new_tokens, pick)  # (N, T)

@@ -40,8 +40,8 @@ PARTS = ("generation", "no-grad log-probs", "train fwd+bwd", "optimizer", "every
 
 
 def profile(model_dir: str, group_size: int, prompts: int, tokens: int, steps: int, warmup: int,
-            threads: int,
-            beta: float = 0.04, num_iterations: int = 1) -> dict:
+            threads: int, beta: float = 0.04, num_iterations: int = 1,
+            sampler: str = "compiled") -> dict:
     """Median seconds per step for each part, over `steps` steps after `warmup`, plus the peak
     RSS."""
     import torch
@@ -56,7 +56,7 @@ def profile(model_dir: str, group_size: int, prompts: int, tokens: int, steps: i
     cfg = grpo.GRPOConfig(group_size=group_size, max_new_tokens=tokens, min_new_tokens=tokens,
                           beta=beta,
                           num_iterations=num_iterations, lr=1e-4,
-                          micro_batch_size=prompts * group_size)
+                          micro_batch_size=prompts * group_size, sampler=sampler)
     ref = grpo.make_reference(policy) if beta else None
     opt = grpo.make_optimizer(policy, cfg)
 

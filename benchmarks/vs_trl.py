@@ -116,7 +116,8 @@ def grpo_config(a):
     return grpo.GRPOConfig(group_size=a.group_size, max_new_tokens=a.tokens,
                            min_new_tokens=a.tokens, beta=a.beta,
                            num_iterations=a.num_iterations, lr=a.lr,
-                           micro_batch_size=a.prompts * a.group_size)
+                           micro_batch_size=a.prompts * a.group_size,
+                           sampler="compiled" if a.compile == "on" else "engine")
 
 
 def max_dropout(model) -> float:
@@ -173,6 +174,7 @@ def trl_settings(trainer) -> dict:
 def run_ours(a) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    import engine
     import grpo
     import rewards
     torch.set_num_threads(a.threads)
@@ -182,7 +184,6 @@ def run_ours(a) -> dict:
                                                                        dtype=torch.float32))
     policy = policy.to(a.device)
     if a.gradient_checkpointing:  # as train_gsm8k.py --gradient-checkpointing does it
-        import engine
         engine.enable_activation_checkpointing(policy)
     policy.train()
     cfg = grpo_config(a)
@@ -203,7 +204,8 @@ def run_ours(a) -> dict:
                            columns={"answer": [r["answer"] for r in batch]})
         sync(a.device)
         times.append(time.perf_counter() - t)
-    return {"step_times": times, **peaks(a.device), "settings": our_settings(a, cfg, policy)}
+    return {"step_times": times, **peaks(a.device), "settings": our_settings(a, cfg, policy),
+            "compile_s": engine.COMPILE_STATS["first_call_seconds"]}
 
 
 def run_trl(a) -> dict:
@@ -257,8 +259,7 @@ def run_trl(a) -> dict:
 def worker_cmd(a, side: str, model_dir: Path) -> list[str]:
     flags = ["--worker", side, "--model-dir", str(model_dir)]
     for k in ("threads", "group_size", "prompts", "tokens", "steps", "warmup", "beta",
-              "num_iterations", "lr",
-              "device"):
+              "num_iterations", "lr", "device", "compile"):
         flags += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     switches = [f"--{k.replace('_', '-')}" for k in ("bf16", "gradient_checkpointing")
                 if getattr(a, k)]
@@ -301,6 +302,9 @@ def main(argv=None):
                    help="bf16 autocast over fp32 weights on both sides (default fp32)")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute activations in backward, on both sides (default: off on both)")
+    p.add_argument("--compile", choices=["on", "off"], default="on",
+                   help="our side's decode step under torch.compile with a static KV cache "
+                        "(default on; its compile time is reported apart, as ours_compile_s)")
     p.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)

@@ -76,12 +76,10 @@ def test_engine_draws_the_reference_samplers_tokens(tiny, arch, setting):
     assert fast["completion_ids"].shape[1] > 5
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_engine_hands_draw_tokens_the_reference_logits(tiny, arch, monkeypatch):
+def assert_same_logits_as_the_reference(model, tok, sampler, monkeypatch):
     """Equal tokens could hide a slightly wrong distribution (a random tiny model rarely flips a
     draw under a 1% logit error), so compare what each sampler hands to grpo.draw_tokens: the
     logits of every step, before the draw, within float tolerance."""
-    tok, model = tiny[0], model_for(arch, tiny)
     seen, real = [], grpo.draw_tokens
 
     def spy(logits, t, done, **kw):
@@ -89,13 +87,19 @@ def test_engine_hands_draw_tokens_the_reference_logits(tiny, arch, monkeypatch):
         return real(logits, t, done, **kw)
 
     monkeypatch.setattr(grpo, "draw_tokens", spy)
-    for sampler in ("engine", "reference"):
+    for s in (sampler, "reference"):
         seen.append([])
-        sample(model, tok, sampler, temperature=0.7)
+        sample(model, tok, s, temperature=0.7)
     fast, slow = seen
     assert len(fast) == len(slow) > 5
     for a, b in zip(fast, slow):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_engine_hands_draw_tokens_the_reference_logits(tiny, arch, monkeypatch):
+    """engine.decode's logits at every step are the reference sampler's."""
+    assert_same_logits_as_the_reference(model_for(arch, tiny), tiny[0], "engine", monkeypatch)
 
 
 def test_a_different_seed_draws_different_tokens(tiny):
@@ -209,3 +213,126 @@ def test_greedy_and_min_new_tokens_match_generate(tiny, arch, sampler):
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     assert torch.equal(out[:, batch["prompt_ids"].shape[1]:], batch["completion_ids"])
     assert (batch["completion_mask"].sum(1) >= 6).all()
+
+
+# --- compiled decoding: a static KV cache and the decode step under torch.compile -----------------
+def tiny_qwen2(tok):
+    """Qwen2: grouped-query attention (4 query heads share 2 key/value heads) and q/k/v biases."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id))
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model
+
+
+COMPILED_ARCHS = ["llama", pytest.param("llama-eager", marks=pytest.mark.slow),
+                  pytest.param("gpt2", marks=pytest.mark.slow),
+                  pytest.param("qwen2", marks=pytest.mark.slow)]
+
+
+@pytest.fixture(scope="module")
+def compiled_models(tiny):
+    """One model per architecture for the whole module, so each compiles once."""
+    tok = tiny[0]
+    return {"llama": tiny[1], "llama-eager": model_for("llama-eager", tiny),
+            "gpt2": tiny_gpt2(tok), "qwen2": tiny_qwen2(tok)}
+
+
+def no_fallback(capsys):
+    """The compiled path really ran: engine.decode_compiled prints a NOTE when it falls back."""
+    assert "compiled decoding is off" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", COMPILED_ARCHS)
+def test_compiled_decoding_draws_the_reference_samplers_tokens(tiny, compiled_models, arch,
+                                                               capsys):
+    """Same seed: engine.decode_compiled gives exactly grpo.reference_decode's tokens, masks and
+    texts, sampled at two temperatures and greedy with a length floor, and with early EOS: the
+    EOS ids are set to the three tokens these random models draw most, so most rows stop early
+    and the static cache's rows go on past their end. Every setting shares one shape (one
+    compile)."""
+    tok, model = tiny[0], compiled_models[arch]
+    for setting in (dict(greedy=True, min_new_tokens=10), dict(temperature=0.7),
+                    dict(temperature=1.0)):
+        fast, slow = (sample(model, tok, s, **setting) for s in ("compiled", "reference"))
+        for key in ("completion_ids", "completion_mask", "truncated"):
+            assert torch.equal(fast[key], slow[key]), (setting, key)
+        assert fast["completions"] == slow["completions"]
+        assert len(set(fast["completions"])) > 1 or setting.get("greedy")
+    no_fallback(capsys)
+    common = torch.bincount(slow["completion_ids"].flatten()).topk(3).indices.tolist()
+    eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = common  # three EOS ids, as chat models have several
+    try:
+        fast, slow = (sample(model, tok, s, temperature=1.0) for s in ("compiled", "reference"))
+    finally:
+        model.generation_config.eos_token_id = eos
+    assert torch.equal(fast["completion_ids"], slow["completion_ids"])
+    lengths = fast["completion_mask"].sum(1)
+    assert (lengths < 24).sum() > len(lengths) // 2 and lengths.max() > lengths.min()
+    no_fallback(capsys)
+
+
+@pytest.mark.parametrize("arch", COMPILED_ARCHS)
+def test_compiled_decoding_hands_draw_tokens_the_reference_logits(tiny, compiled_models, arch,
+                                                                  monkeypatch, capsys):
+    """The compiled step's logits at every step are the reference sampler's, within float
+    tolerance: this pins the static cache's slots, the mask and the position ids, which a token
+    check on a random model can miss (a stale position id changes no Llama token here)."""
+    assert_same_logits_as_the_reference(compiled_models[arch], tiny[0], "compiled", monkeypatch)
+    no_fallback(capsys)
+
+
+def test_a_second_step_with_other_prompt_lengths_does_not_recompile(tiny, capsys):
+    """Prompt lengths change from step to step; the cache's prompt slots are rounded up to
+    engine.PROMPT_BUCKET and only ever grow, so a second step whose prompts are shorter or
+    longer (within the bucket) runs the graph the first compiled, under torch's
+    fail_on_recompile stance. A prompt past the bucket gets a wider cache: one new compile."""
+    tok, model = tiny
+    cfg = grpo.GRPOConfig(sampler="compiled", group_size=2, max_new_tokens=6)
+    grpo.sample_completions(model, tok, ["What is 2+3?", "Hi"], cfg)                  # P = 12
+    _, first = engine._caches[model][(4, 6, torch.float32, torch.device("cpu"))]
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for prompts in (["What is 2+3? Then add 17 and 45.", "Hi"], ["Q", "7*8"]):     # 32, 3
+            before = dict(engine.COMPILE_STATS)
+            grpo.sample_completions(model, tok, prompts, cfg)
+            assert engine.COMPILE_STATS == before
+    no_fallback(capsys)
+    assert first == engine.PROMPT_BUCKET
+    grpo.sample_completions(model, tok, ["x" * (engine.PROMPT_BUCKET + 1), "Hi"], cfg)  # wider
+    assert engine._caches[model][(4, 6, torch.float32, torch.device("cpu"))][1] == \
+        2 * engine.PROMPT_BUCKET
+    grpo.sample_completions(model, tok, ["Hi", "Q"], cfg)  # short prompts fit the wider cache
+    no_fallback(capsys)
+
+
+def test_compiled_decoding_falls_back_with_its_reason_printed_once(tiny, capsys, monkeypatch):
+    """Where it cannot run, decode_compiled draws with decode() instead and says why, once:
+    a sliding-window model (compile_blocker), and a compile that fails after some tokens were
+    drawn, whose draws are rewound, so the tokens are still exactly the seed's."""
+    tok, model = tiny
+    sliding = copy.deepcopy(model)
+    sliding.config.sliding_window = 16
+    for _ in range(2):
+        fast, slow = (sample(sliding, tok, s) for s in ("compiled", "engine"))
+        assert torch.equal(fast["completion_ids"], slow["completion_ids"])
+    assert capsys.readouterr().err.count("compiled decoding is off (sliding-window") == 1
+
+    calls = []
+
+    def breaks_on_the_third_token(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("no C++ compiler found")
+        return engine._decode_step(*args)
+
+    monkeypatch.setattr(engine, "compiled_step", lambda device_type: breaks_on_the_third_token)
+    fast, slow = (sample(model, tok, s) for s in ("compiled", "reference"))
+    assert len(calls) == 3 and torch.equal(fast["completion_ids"], slow["completion_ids"])
+    assert "compiled decoding is off (RuntimeError: no C++ compiler found)" in \
+        capsys.readouterr().err
