@@ -303,5 +303,21 @@ def _decode_compiled(model, prompt_ids, prompt_mask, group_size, max_new_tokens,
     return torch.stack(tokens, dim=1)                                            # (N, T)
 
 
+AUTO_COMPILE_DECODE_STEPS = 20_000
+"""--compile auto turns compiled decoding on from this many decode steps in a run (steps x
+max_new_tokens). Measured on a 2-core CPU at the quick start's shapes (docs/speed.md): a cold
+compile took 17.5 s and saved 1.7 ms per decode step, so it pays from about 10,000 steps; the
+factor 2 allows for completions that end early and for evaluation's own shapes."""
+
+
+def sampler_for(compile_mode: str, sampler: str, decode_steps: int) -> str:
+    """grpo.GRPOConfig.sampler for a run: 'compiled' in place of the default 'engine' when
+    --compile is on, or auto with at least AUTO_COMPILE_DECODE_STEPS decode steps ahead. A sampler
+    chosen by name ('compiled', 'reference') stays."""
+    on = compile_mode == "on" or (compile_mode == "auto"
+                                  and decode_steps >= AUTO_COMPILE_DECODE_STEPS)
+    return "compiled" if on and sampler == "engine" else sampler
+
+
 DECODERS = {"engine": decode, "compiled": decode_compiled}
 """grpo.GRPOConfig.sampler -> decode loop; 'reference' is grpo.reference_decode."""

@@ -9,11 +9,11 @@ train_gsm8k.py -- train a model with GRPO (grpo.py); show on held-out problems t
     python train_gsm8k.py summarize runs/a runs/b runs/c        # mean ± std table over runs
 
 The recipe, top to bottom: presets and config -> data -> model -> loop -> evaluation -> save. It
-measures greedy accuracy on held-out problems, runs --steps GRPO steps, measures again, and writes
-summary.json, metrics.jsonl (every metric, every step), curves.png, samples.jsonl, final/ (the
-model) and checkpoint-<step>/ to --out. The pieces live beside it: gsm8k.py (data, prompts, rewards,
-evaluation), checkpoint.py (crash-safe saves, resume), report.py (logs, curves, tables), flags.py
-(the flags, from the config dataclasses), tiny_world.py (the offline model, problems, warm start).
+measures greedy held-out accuracy, runs --steps GRPO steps, measures again, and writes summary.json,
+metrics.jsonl (every metric, every step), curves.png, samples.jsonl, final/ (the model) and
+checkpoint-<step>/ to --out. Beside it: gsm8k.py (data, prompts, rewards, evaluation), checkpoint.py
+(crash-safe saves, resume), report.py (logs, curves, tables), flags.py (the flags), engine.py (fast
+sampling), tiny_world.py (the offline model, problems, warm start).
 """
 
 from __future__ import annotations
@@ -66,6 +66,9 @@ class TrainConfig:
     """Compute in bfloat16 autocast. Weights and AdamW state stay fp32, so 1e-6 updates survive."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (slower)."""
+    compile: str = "auto"
+    """Compiled decoding (engine.decode_compiled): on, off, or auto: on when steps x max_new_tokens
+    >= engine.AUTO_COMPILE_DECODE_STEPS, where the compile time pays back (docs/speed.md)."""
     system_prompt: str = ""
     """System message for models with a chat template; empty for none."""
     threads: int = 0
@@ -114,11 +117,10 @@ PRESETS = {
              micro_batch_size=8),                      # 8 sequences of up to ~700 tokens a pass
     ),
 }
-# With --resume, the run keeps the settings it was started with; only these may change (none alters
-# the math).
 LOGS = ("metrics.jsonl", "samples.jsonl")  # cut back to the checkpoint's step on --resume
+# With --resume, the run keeps its settings; only these may change (none alters the math).
 RESUME_MAY_CHANGE = {"resume", "steps", "save_every", "sample_every", "threads", "device",
-                     "eval_batch_size", "max_bad_steps"}
+                     "eval_batch_size", "max_bad_steps", "compile", "sampler"}
 
 
 def parse_args(argv=None) -> tuple[TrainConfig, grpo.GRPOConfig]:
@@ -133,7 +135,7 @@ def parse_args(argv=None) -> tuple[TrainConfig, grpo.GRPOConfig]:
                              else PRESETS.get(known.preset, ({}, {})))
     parser = flags.flag_parser(
         [(TrainConfig, train_over, "run"), (grpo.GRPOConfig, grpo_over, "GRPO (grpo.GRPOConfig)")],
-        PRESETS, choices={"preset": list(PRESETS)},
+        PRESETS, choices={"preset": list(PRESETS), "compile": ["auto", "on", "off"]},
         description="Train a causal LM with GRPO on GSM8K-style problems and report held-out "
                     "accuracy before and after. Defaults follow --preset; any flag overrides it.")
     args = vars(parser.parse_args(argv))
@@ -163,12 +165,12 @@ def load_model(tcfg: TrainConfig, log=print):
 def main(argv=None) -> dict:
     t_command = time.perf_counter()  # WHY: the whole command, warm-start build included
     tcfg, gcfg = parse_args(argv)
-    if gcfg.reward_weights is None:
-        gcfg = dataclasses.replace(gcfg, reward_weights=gsm8k.DEFAULT_REWARD_WEIGHTS)
+    weights = gsm8k.DEFAULT_REWARD_WEIGHTS if gcfg.reward_weights is None else gcfg.reward_weights
+    gcfg = dataclasses.replace(gcfg, reward_weights=weights, sampler=engine.sampler_for(
+        tcfg.compile, gcfg.sampler, tcfg.steps * gcfg.max_new_tokens))
     import torch
     from tqdm.auto import tqdm
-    if tcfg.threads:
-        torch.set_num_threads(tcfg.threads)
+    torch.set_num_threads(tcfg.threads or torch.get_num_threads())  # 0: torch's default
     device = "cuda" if torch.cuda.is_available() else "cpu"
     device = device if tcfg.device == "auto" else tcfg.device
 

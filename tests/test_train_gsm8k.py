@@ -207,7 +207,10 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
 
 
 @pytest.mark.slow
-def test_qwen_preset_code_path_on_local_qwen2_and_gsm8k(tmp_path):
+def test_qwen_preset_code_path_on_local_qwen2_and_gsm8k(tmp_path, capsys):
+    """The Qwen preset (bf16 autocast, gradient checkpointing, a chat template) on a tiny Qwen2 and
+    real GSM8K rows, with compiled decoding on, as --compile auto sets it for the preset's 200
+    steps x 512 tokens."""
     gsm8k = os.environ.get("GSM8K_DIR")
     if not gsm8k:
         pytest.skip("GSM8K_DIR is not set: point it at a folder with GSM8K's train.jsonl and "
@@ -231,7 +234,9 @@ def test_qwen_preset_code_path_on_local_qwen2_and_gsm8k(tmp_path):
                                 "--prompts-per-step", "2",
                                 "--group-size", "2", "--max-new-tokens", "12", "--micro-batch-size",
                                 "2",
-                                "--device", "cpu", "--out", str(out)])
+                                "--device", "cpu", "--compile", "on", "--out", str(out)])
+    assert summary["grpo_config"]["sampler"] == "compiled"
+    assert "compiled decoding is off" not in capsys.readouterr().err
     assert summary["grpo_config"]["lr"] == 1e-6 and summary["train_config"]["bf16"] is True
     assert summary["train_config"]["gradient_checkpointing"] is True
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
