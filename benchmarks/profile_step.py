@@ -14,6 +14,11 @@ The profile times grpo.py's own functions from outside (nothing in grpo.py chang
                         Python glue.
 "Everything else" is this project's own overhead.
 
+The floor: the step's arithmetic (step_flops: matmul FLOPs of generation, the reference pass and the
+training forward and backward, at each row's real lengths, with causal attention) divided by this
+machine's measured matmul throughput (matmul_gflops: a large fp32 matmul at the same thread count).
+No implementation can take less time than that; the printed ratio says how far above it we are.
+
 The scaling table runs each setting in a fresh process (so peak RSS is that setting's own), sweeps
 all settings --repeats times and takes each row's median over the sweeps, and fits
 log(time) against log(G), log(length) and log(parameters), to say which term dominates.
@@ -37,6 +42,53 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vs_trl import build_model, peak_rss_mb, rows_for  # noqa: E402
 
 PARTS = ("generation", "no-grad log-probs", "train fwd+bwd", "optimizer", "everything else")
+
+
+def step_flops(model, prompt_lens, completion_lens, group_size: int, beta: float,
+               num_iterations: int) -> float:
+    """Matmul FLOPs of one grpo_step on these rows (real lengths, no padding), counted as 2 per
+    multiply-add: generation (one prefill per prompt, then one token at a time over the growing
+    context), the no-grad passes (π_ref when β != 0, π_old when μ > 1) and μ training passes at 3x a
+    forward (backward is two matmuls per forward matmul). Per token, a forward costs 2 x the
+    Linear weights it passes through, plus causal attention's QK^T and AV: 4 x layers x
+    (heads x head_dim) x the context length. Every position passes through the transformer body;
+    only the positions read pass through lm_head."""
+    import torch
+    head = model.get_output_embeddings()
+    body = sum(m.weight.numel() for m in model.modules()
+               if isinstance(m, torch.nn.Linear) and m is not head)
+    lm, c = head.weight.numel(), model.config
+    width = c.num_attention_heads * (getattr(c, "head_dim", None)
+                                     or c.hidden_size // c.num_attention_heads)
+    attn = 4 * c.num_hidden_layers * width                      # per token, per context position
+
+    def forward(lengths, logits_for):  # a causal pass over sequences of these lengths
+        return sum(2 * body * S + 2 * lm * k + attn * S * (S + 1) / 2
+                   for S, k in zip(lengths, logits_for))
+
+    flops = forward(prompt_lens[::group_size], [1] * len(prompt_lens[::group_size]))  # prefill
+    for P, T in zip(prompt_lens, completion_lens):                # decode: T - 1 more tokens
+        flops += sum(2 * (body + lm) + attn * (P + t) for t in range(1, T))
+    full = forward([P + T for P, T in zip(prompt_lens, completion_lens)], completion_lens)
+    passes = (beta != 0) + (num_iterations > 1) + 3 * num_iterations
+    return flops + passes * full
+
+
+def matmul_gflops(threads: int, n: int = 1024, repeats: int = 5) -> float:
+    """This machine's fp32 matmul throughput at `threads` threads: the best of `repeats` (n x n) @
+    (n x n) products, in GFLOP/s. An upper bound on what the model's smaller matmuls reach."""
+    import torch
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b                                                           # warm-up
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * n ** 3 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 def profile(model_dir: str, group_size: int, prompts: int, tokens: int, steps: int, warmup: int,
@@ -74,7 +126,15 @@ def profile(model_dir: str, group_size: int, prompts: int, tokens: int, steps: i
 
     real_sample, real_logprobs = grpo.sample_completions, grpo.token_logprobs
     real_loss = grpo.grpo_loss
-    grpo.sample_completions = timed("generation", real_sample)
+    lengths = []
+
+    def sample_and_count(*args, **kwargs):  # also keeps each row's real prompt and output length
+        batch = real_sample(*args, **kwargs)
+        lengths.append((batch["prompt_mask"].sum(1).tolist(),
+                        batch["completion_mask"].sum(1).tolist()))
+        return batch
+
+    grpo.sample_completions = timed("generation", sample_and_count)
     grpo.token_logprobs = timed(
         lambda *a: "train fwd+bwd" if torch.is_grad_enabled() else "no-grad log-probs",
         real_logprobs)
@@ -86,7 +146,7 @@ def profile(model_dir: str, group_size: int, prompts: int, tokens: int, steps: i
     torch.Tensor.backward = timed("train fwd+bwd", real_backward)
 
     rows = rows_for((warmup + steps) * prompts)
-    per_step = {k: [] for k in (*PARTS, "total")}
+    per_step = {k: [] for k in (*PARTS, "total", "flops")}
     try:
         for step in range(warmup + steps):
             for k in spent:
@@ -102,12 +162,18 @@ def profile(model_dir: str, group_size: int, prompts: int, tokens: int, steps: i
                     per_step[k].append(spent[k])
                 per_step["everything else"].append(total - sum(spent[k] for k in PARTS[:-1]))
                 per_step["total"].append(total)
+                per_step["flops"].append(step_flops(policy, *lengths[-1], group_size, beta,
+                                                    num_iterations))
     finally:
         grpo.sample_completions, grpo.token_logprobs = real_sample, real_logprobs
         grpo.grpo_loss = real_loss
         torch.Tensor.backward = real_backward
     out = {k: statistics.median(v) for k, v in per_step.items()}
     out["peak_rss_mb"] = peak_rss_mb()
+    out["matmul_gflops"] = matmul_gflops(threads)
+    out["floor_s"] = out["flops"] / (out["matmul_gflops"] * 1e9)
+    out["ratio_to_floor"] = out["total"] / out["floor_s"]
+    out["sampler"] = sampler
     out["parameters"] = sum(p.numel() for p in policy.parameters())
     return out
 
@@ -117,6 +183,10 @@ def print_profile(res: dict, title: str):
     for k in PARTS:
         print(f"| {k} | {res[k]:.4f} | {100 * res[k] / res['total']:.1f}% |")
     print(f"| **total** | {res['total']:.4f} | 100% |")
+    print(f"\nfloor: {res['flops'] / 1e9:.2f} GFLOP a step at {res['matmul_gflops']:.0f} GFLOP/s "
+          f"(this machine's fp32 matmul) = {res['floor_s']:.4f} s; this step takes "
+          f"{res['ratio_to_floor']:.1f}x the floor; our own overhead (everything else) is "
+          f"{100 * res['everything else'] / res['total']:.1f}% of it")
 
 
 def fit_exponents(rows: list[dict]) -> dict:
@@ -150,6 +220,8 @@ def main(argv=None):
                    help="the scaling table instead of one profile")
     p.add_argument("--repeats", type=int, default=3,
                    help="--scaling: sweeps over all settings (default 3)")
+    p.add_argument("--compile", choices=["on", "off"], default="on",
+                   help="decode with engine.decode_compiled (on, default) or engine.decode (off)")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # a model dir: profile once, print JSON
     a = p.parse_args(argv)
     import grpo
@@ -160,20 +232,23 @@ def main(argv=None):
     if a.steps < 1 or a.warmup < 0 or a.repeats < 1:
         p.error("--steps and --repeats must be at least 1, --warmup at least 0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sampler = "compiled" if a.compile == "on" else "engine"
 
     if a.worker:
         print(json.dumps(profile(a.worker, a.group_size, a.prompts, a.tokens, a.steps, a.warmup,
-                                 a.threads)))
+                                 a.threads, sampler=sampler)))
         return None
     if not a.scaling:
         with tempfile.TemporaryDirectory() as tmp:
             build_model(Path(tmp), a.hidden, a.layers, 4)
             with contextlib.redirect_stdout(sys.stderr):
-                res = profile(tmp, a.group_size, a.prompts, a.tokens, a.steps, a.warmup, a.threads)
+                res = profile(tmp, a.group_size, a.prompts, a.tokens, a.steps, a.warmup, a.threads,
+                              sampler=sampler)
         print_profile(res, f"One grpo_step, llama hidden {a.hidden} x {a.layers} layers "
                            f"({res['parameters'] / 1e6:.2f} M), G={a.group_size}, "
                            f"{a.prompts} prompts, "
-                           f"{a.tokens} tokens, {a.threads} thread(s), median of {a.steps} steps")
+                           f"{a.tokens} tokens, {a.threads} thread(s), median of {a.steps} steps, "
+                           f"decoding compiled {a.compile}")
         print(json.dumps(res))
         return res
 
@@ -196,7 +271,7 @@ def main(argv=None):
                        "--prompts",
                        str(a.prompts), "--tokens", str(T), "--steps", str(a.steps), "--warmup",
                        str(a.warmup),
-                       "--threads", str(a.threads)]
+                       "--threads", str(a.threads), "--compile", a.compile]
                 env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
                 proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
                 if proc.returncode != 0:
