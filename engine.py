@@ -26,7 +26,6 @@ import functools
 import importlib.metadata
 import inspect
 import sys
-import time
 import weakref
 
 import torch
@@ -165,9 +164,6 @@ PROMPT_BUCKET = 64
 step map to a few cache shapes, each compiled once (tests/test_engine.py)."""
 RECOMPILE_LIMIT = 64
 """Compiled shapes (model x batch size x cache width) per process before decoding stays eager."""
-COMPILE_STATS = {"first_calls": 0, "first_call_seconds": 0.0}
-"""How many new (model, shape) pairs the compiled step has met, and the wall time of their first
-calls, which is where compilation happens. benchmarks/vs_trl.py reports it as ours_compile_s."""
 _caches = weakref.WeakKeyDictionary()  # model -> {shape key: StaticCache}, reused across steps
 _warned = set()                        # reasons for falling back, each printed once
 
@@ -258,7 +254,6 @@ def _decode_compiled(model, prompt_ids, prompt_mask, group_size, max_new_tokens,
         # before them stay zero and masked: extra left padding, which changes no logit.
         prefilled = out["cache"].layers
         cache, Pb = static_cache(model, N, P, T, prefilled[0].keys)     # Pb >= P prompt slots
-        new_shape = not cache.layers[0].is_initialized
         for layer, filled in zip(cache.layers, prefilled):
             k = filled.keys.repeat_interleave(G, 0)                              # (N, H, P, D)
             v = filled.values.repeat_interleave(G, 0)                            # (N, H, P, D)
@@ -286,7 +281,6 @@ def _decode_compiled(model, prompt_ids, prompt_mask, group_size, max_new_tokens,
             seen[:, Pb + t] = True
             if cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()
-            t0 = time.perf_counter()
             # WHY (speed): after two calls with the same shapes (the first may compile), dynamo's
             #      per-call guard evaluation, ~20% of a tiny model's step, is skipped: nothing it
             #      checks can change inside this loop.
@@ -295,12 +289,37 @@ def _decode_compiled(model, prompt_ids, prompt_mask, group_size, max_new_tokens,
             with (torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if t >= 2
                   else torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)):
                 logits = step(model, cache, next_ids[:, None], mask, next_position + t)  # (N, V)
-            if t == 0 and new_shape:
-                COMPILE_STATS["first_calls"] += 1
-                COMPILE_STATS["first_call_seconds"] += time.perf_counter() - t0
             if cuda_graphs:
                 logits = logits.clone()  # WHY: the next replay overwrites the graph's output
     return torch.stack(tokens, dim=1)                                            # (N, T)
+
+
+def compile_seconds() -> float:
+    """Wall seconds torch.compile has spent in this process so far, by dynamo's own timers: the
+    tracing and code generation of each graph, and of each backward graph at its first use.
+    benchmarks/vs_trl.py reports it as ours_compile_s. 0.0 where this torch keeps no such timers.
+    """
+    try:
+        from torch._dynamo.utils import compilation_time_metrics as spent
+    except ImportError:
+        return 0.0
+    return sum(sum(spent.get(k, [])) for k in ("_compile.compile_inner", "backward._backward_impl"))
+
+
+def compile_layers(sampler: str, *models) -> int:
+    """With the 'compiled' sampler, also compile each model's decoder layers (regional
+    compilation: one graph serves every layer of a model, forward and backward), so the
+    training and reference passes run fused kernels too. Returns how many layers it compiled.
+    WHY dynamic=True: training sequences change length every step; one graph takes them all.
+    NOTE: loss and gradients match eager within float tolerance (tests/test_engine.py)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    if sampler != "compiled":
+        return 0
+    layers = [m for model in models if model is not None for m in model.modules()
+              if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
 
 
 AUTO_COMPILE_DECODE_STEPS = 20_000

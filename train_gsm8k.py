@@ -188,8 +188,7 @@ def main(argv=None) -> dict:
     ref = grpo.make_reference(policy) if gcfg.beta != 0 else None
     if ref is not None and tcfg.bf16:
         ref = ref.to(torch.bfloat16)  # WHY (memory): a frozen reference needs no fp32 master copy
-    # WHY seed here, after loading: building the tiny warm start reseeds torch, so seeding earlier
-    #     would make the first run (which builds it) differ from later ones (which load it).
+    # WHY after loading: building the tiny warm start reseeds torch; runs that load it must match.
     torch.manual_seed(tcfg.seed)
     random.seed(tcfg.seed)
     out = Path(tcfg.resume or tcfg.out or f"runs/{tcfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -210,6 +209,7 @@ def main(argv=None) -> dict:
     if tcfg.gradient_checkpointing:
         engine.enable_activation_checkpointing(policy)
     policy.train()
+    engine.compile_layers(gcfg.sampler, policy, ref)  # with compiled decoding: the layers too
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=tcfg.bf16)
     n_params = sum(p.numel() for p in policy.parameters()) / 1e6
     tqdm.write(f"model: {model_name} ({n_params:.2f} M parameters) on {device}; data: {tcfg.data} "

@@ -98,6 +98,7 @@ def profile(model_dir: str, group_size: int, prompts: int, tokens: int, steps: i
     RSS."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    import engine
     import grpo
     import rewards
     torch.set_num_threads(threads)
@@ -110,6 +111,7 @@ def profile(model_dir: str, group_size: int, prompts: int, tokens: int, steps: i
                           num_iterations=num_iterations, lr=1e-4,
                           micro_batch_size=prompts * group_size, sampler=sampler)
     ref = grpo.make_reference(policy) if beta else None
+    engine.compile_layers(cfg.sampler, policy, ref)  # --compile on: as train_gsm8k.py does it
     opt = grpo.make_optimizer(policy, cfg)
 
     spent = dict.fromkeys(PARTS, 0.0)
