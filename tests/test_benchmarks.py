@@ -46,15 +46,42 @@ def test_vs_trl_reports_both_sides(precision):
     assert res["ratio"] == pytest.approx(res["ours_s_per_step"] / res["trl_s_per_step"], rel=0.01)
     assert len(res["round_ratios"]) == 1 and res["round_ratios"][0] == pytest.approx(res["ratio"],
                                                                                      abs=0.01)
+    assert res["ours_compile_s"] > 0  # --compile on by default: torch.compile's time, reported
 
 
 def test_profile_parts_add_up_to_the_step():
-    res = run("benchmarks/profile_step.py", "--steps", "3", "--warmup", "1", "--tokens", "8")
+    """Eager decoding here (the fast tier does not compile); the floor is printed and positive."""
+    res = run("benchmarks/profile_step.py", "--steps", "3", "--warmup", "1", "--tokens", "8",
+              "--compile", "off")
+    assert res["sampler"] == "engine" and res["flops"] > 0 and res["matmul_gflops"] > 0
+    assert res["ratio_to_floor"] == pytest.approx(res["total"] / res["floor_s"])
     parts = ["generation", "no-grad log-probs", "train fwd+bwd", "optimizer", "everything else"]
     assert all(res[p] >= 0 for p in parts[:-1])
     # medians of parts need not sum exactly to the median total; within 20% they must
     assert sum(res[p] for p in parts) == pytest.approx(res["total"], rel=0.2)
     assert res["generation"] > 0 and res["train fwd+bwd"] > 0 and res["no-grad log-probs"] > 0
+
+
+def test_step_flops_by_hand():
+    """A Llama with hidden 8, 1 layer, 2 heads of 4, FFN 16, vocabulary 10: its Linear weights
+    (lm_head apart) are 4*8*8 + 3*8*16 = 640, lm_head 10*8 = 80, attention 4*1*8 = 32 a token and
+    context position. One prompt of 3 tokens, G = 2, completions of 2 and 1 tokens, β > 0, μ = 1:
+      prefill 2*640*3 + 2*80*1 + 32*(3*4/2)                              =  4,192
+      decode  (row 1, its second token, context 4) 2*720 + 32*4           =  1,568
+      a full pass over lengths 5 and 4, logits for 2 and 1 positions:
+              2*640*5 + 2*80*2 + 32*15 = 7,200; 2*640*4 + 2*80 + 32*10 = 5,600 -> 12,800
+      passes: π_ref, plus the training pass at 3x                          -> 4 * 12,800
+    total 4,192 + 1,568 + 51,200 = 56,960."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from profile_step import step_flops
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=10, hidden_size=8, intermediate_size=16,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=2, tie_word_embeddings=True))
+    assert step_flops(model, [3, 3], [2, 1], group_size=2, beta=0.04, num_iterations=1) == 56_960
+    # β = 0 drops the reference pass; μ = 2 adds π_old's pass and a second training pass
+    assert step_flops(model, [3, 3], [2, 1], 2, 0.0, 1) == 56_960 - 12_800
+    assert step_flops(model, [3, 3], [2, 1], 2, 0.04, 2) == 56_960 + 4 * 12_800
 
 
 def test_scaling_fit_recovers_a_known_power_law():
@@ -81,3 +108,29 @@ def test_bad_group_size_is_a_one_line_error(script):
     # the message is GRPOConfig's own, not a copy kept beside it
     assert proc.stderr.strip().splitlines()[-1].endswith(": error: group_size must be at least 2 "
                                                          "(a group baseline needs 2), got 1")
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
+    """benchmarks/gpu_check.sh --dry-run: the five GPU checks at toy sizes on this CPU, so the
+    script a lent GPU runs has run end to end first. Compiled decoding draws the reference
+    sampler's tokens here, without falling back; the Qwen preset trains with it on."""
+    env = {**os.environ, "OUT": str(tmp_path / "out")}
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run"], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    rows = [json.loads(line) for line in
+            (tmp_path / "out" / "gpu_check.jsonl").read_text().splitlines()]
+    by_check = {}
+    for r in rows:
+        by_check.setdefault(r.get("check", "vs-trl"), []).append(r)
+    assert by_check["machine"][0]["device"] == "cpu"
+    assert len(by_check["tokens"]) == 4
+    assert all(r["compiled_equal"] and r["engine_equal"] and not r["fell_back"]
+               for r in by_check["tokens"])
+    speed = by_check["speed"][0]
+    assert speed["engine_ms_per_token"] > 0 and speed["compiled_ms_per_token"] > 0
+    assert by_check["qwen-preset"][0]["sampler"] == "compiled"
+    if "vs-trl" in by_check:  # TRL installed
+        assert by_check["vs-trl"][0]["settings_differ"] == {}
+    assert not list((tmp_path / "out").glob("model"))

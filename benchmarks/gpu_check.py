@@ -1,0 +1,150 @@
+"""
+benchmarks/gpu_check.py -- the decoding checks of benchmarks/gpu_check.sh, one JSON line each.
+
+    python benchmarks/gpu_check.py machine --device cuda   # GPU, torch, transformers, CUDA
+    python benchmarks/gpu_check.py tokens --device cuda    # compiled = reference tokens there?
+    python benchmarks/gpu_check.py speed --device cuda --arch qwen2.5-0.5b --bf16   # ms a token
+
+tokens: tiny random Llama and Qwen2 models in fp32 on the device. The reference sampler (no KV
+    cache), engine.decode and engine.decode_compiled (on CUDA: CUDA graphs) sample from one seed;
+    the line says whether each drew exactly the reference's tokens and whether compiled decoding
+    fell back. Not asserted: on a GPU, kernels that differ between a cached and an uncached pass
+    may round differently, and a flipped draw is then possible, if rare.
+speed: G completions of --tokens forced tokens for --prompts prompts, engine.decode against
+    engine.decode_compiled, median of --repeats after one warm-up call each; compile seconds from
+    dynamo's timers (engine.compile_seconds).
+Runs on CPU too (gpu_check.sh --dry-run): the same code at toy sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from vs_trl import build_model, rows_for, sync  # noqa: E402
+
+
+def machine(device: str) -> dict:
+    import torch
+    import transformers
+    on_gpu = device.startswith("cuda")
+    return {"check": "machine", "device": device, "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "gpu": torch.cuda.get_device_name(device) if on_gpu else None,
+            "cuda": torch.version.cuda if on_gpu else None}
+
+
+def sample_all(model, tok, device: str, cfg_kw: dict) -> dict:
+    """Each sampler's completion ids from seed 0, and whether decode_compiled fell back."""
+    import grpo
+    prompts = ["What is 2+3? Then add 17 and 45.", "Hi", "Q: 7*8"]
+    out, err = {}, io.StringIO()
+    for sampler in ("reference", "engine", "compiled"):
+        torch_seed(0, device)
+        cfg = grpo.GRPOConfig(sampler=sampler, group_size=4, max_new_tokens=24, **cfg_kw)
+        with contextlib.redirect_stderr(err):
+            out[sampler] = grpo.sample_completions(model, tok, prompts, cfg)["completion_ids"]
+    return {"engine_equal": bool((out["engine"] == out["reference"]).all()),
+            "compiled_equal": bool((out["compiled"] == out["reference"]).all()),
+            "fell_back": "compiled decoding is off" in err.getvalue()}
+
+
+def torch_seed(seed: int, device: str):
+    import torch
+    torch.manual_seed(seed)
+    if device.startswith("cuda"):
+        torch.cuda.manual_seed_all(seed)
+
+
+def tokens(device: str) -> list[dict]:
+    import torch
+    import tiny_world
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    tok = tiny_world.char_tokenizer()
+    torch.manual_seed(0)
+    qwen = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id))
+    qwen.generation_config.eos_token_id = tok.eos_token_id
+    models = {"llama": tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2), "qwen2": qwen}
+    rows = []
+    for name, model in models.items():
+        model = model.to(device).eval()
+        for setting in (dict(temperature=1.0), dict(temperature=0.7)):
+            rows.append({"check": "tokens", "arch": name, **setting,
+                         **sample_all(model, tok, device, setting)})
+    return rows
+
+
+def speed(device: str, arch: str, bf16: bool, group_size: int, prompts: int, n_tokens: int,
+          repeats: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import engine
+    import grpo
+    with tempfile.TemporaryDirectory() as tmp:
+        n_params = build_model(Path(tmp), 64, 2, 4, arch)
+        tok = AutoTokenizer.from_pretrained(tmp)
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(device).eval()
+    texts = [r["prompt"] for r in rows_for(prompts)]
+    autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=bf16)
+    res = {"check": "speed", "arch": arch, "parameters": n_params, "device": device,
+           "precision": "bf16 autocast" if bf16 else "fp32",
+           "work": f"G={group_size} x {prompts} prompts, {n_tokens} forced tokens"}
+    for sampler in ("engine", "compiled"):
+        cfg = grpo.GRPOConfig(sampler=sampler, group_size=group_size, max_new_tokens=n_tokens,
+                              min_new_tokens=n_tokens)
+        before = engine.compile_seconds()
+        times = []
+        for _ in range(repeats + 1):
+            sync(device)
+            t = time.perf_counter()
+            with autocast:
+                grpo.sample_completions(model, tok, texts, cfg)
+            sync(device)
+            times.append(time.perf_counter() - t)
+        res[f"{sampler}_ms_per_token"] = 1000 * statistics.median(times[1:]) / n_tokens
+        res[f"{sampler}_compile_s"] = engine.compile_seconds() - before
+    res["speedup"] = res["engine_ms_per_token"] / res["compiled_ms_per_token"]
+    return res
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    p.add_argument("check", choices=["machine", "tokens", "speed"])
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    p.add_argument("--arch", choices=["llama", "qwen2.5-0.5b"], default="qwen2.5-0.5b",
+                   help="speed: Qwen2.5-0.5B's architecture (default) or a hidden-64 Llama")
+    p.add_argument("--bf16", action="store_true", help="speed: bf16 autocast")
+    p.add_argument("--group-size", type=int, default=8, help="speed: G (default 8)")
+    p.add_argument("--prompts", type=int, default=4, help="speed: prompts (default 4)")
+    p.add_argument("--tokens", type=int, default=128, help="speed: forced tokens (default 128)")
+    p.add_argument("--repeats", type=int, default=3, help="speed: timed calls (default 3)")
+    a = p.parse_args(argv)
+    import torch
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {a.device}, but torch {torch.__version__} sees no CUDA GPU")
+    if a.check == "machine":
+        rows = [machine(a.device)]
+    elif a.check == "tokens":
+        rows = tokens(a.device)
+    else:
+        rows = [speed(a.device, a.arch, a.bf16, a.group_size, a.prompts, a.tokens, a.repeats)]
+    for row in rows:
+        print(json.dumps(row))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

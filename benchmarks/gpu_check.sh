@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# benchmarks/gpu_check.sh -- every check that needs a GPU, as one command (about 8 minutes on one).
+#
+#   bash benchmarks/gpu_check.sh              # on a machine with a CUDA GPU
+#   bash benchmarks/gpu_check.sh --dry-run    # the same five steps on this CPU at toy sizes
+#
+# Steps (each under its own time limit, so one slow step does not cost the others; every JSON line
+# they print is collected in $OUT/gpu_check.jsonl, default OUT=runs/gpu_check):
+#   1. the machine: GPU, torch, transformers, CUDA;
+#   2. compiled decoding (CUDA graphs) against the reference sampler, token for token, on tiny
+#      Llama and Qwen2 models in fp32, and whether it fell back;
+#   3. decoding speed at Qwen2.5-0.5B's architecture in bf16: engine.decode against
+#      engine.decode_compiled, ms per token, and the compile seconds;
+#   4. train_gsm8k.py's Qwen preset end to end (bf16, fused AdamW, gradient checkpointing,
+#      --compile on) for 3 steps on a random Qwen2.5-0.5B-architecture model and tiny-world data,
+#      with its peak GPU memory;
+#   5. benchmarks/vs_trl.py at Qwen2.5-0.5B's architecture, bf16, against TRL.
+# Offline GPU machines lack TRL (and may hold an older transformers): wheels in .whl/ are installed
+# to /tmp/site first when that folder exists. docs/speed.md gives the pip download line.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
+OUT="${OUT:-runs/gpu_check}"
+mkdir -p "$OUT"
+: > "$OUT/gpu_check.jsonl"
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if [ "$DRY" = 1 ]; then
+    DEV=cpu ARCH=llama LIMIT=300
+    SPEED=(--group-size 2 --prompts 2 --tokens 8 --repeats 2)
+    TRAIN=(--steps 2 --eval-size 4 --prompts-per-step 2 --group-size 2 --max-new-tokens 8)
+    TRL=(--steps 3 --warmup 1 --rounds 1 --tokens 4)
+else
+    DEV=cuda ARCH=qwen2.5-0.5b LIMIT=240
+    SPEED=(--bf16 --group-size 8 --prompts 4 --tokens 128 --repeats 3)
+    TRAIN=(--steps 3 --eval-size 32 --prompts-per-step 4 --group-size 8 --max-new-tokens 128)
+    TRL=(--bf16 --group-size 8 --prompts 2 --tokens 256 --steps 4 --warmup 1 --rounds 1)
+fi
+failed=0
+
+step() {  # step NAME COMMAND...: run it under the time limit, keep its log and its JSON lines
+    local name="$1"; shift
+    echo "== $name"
+    timeout "$LIMIT" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    grep '^{' "$OUT/$name.log" | tee -a "$OUT/gpu_check.jsonl"
+    if [ "$rc" != 0 ]; then
+        failed=1
+        echo "{\"check\": \"$name\", \"failed\": true, \"exit_code\": $rc}" | tee -a "$OUT/gpu_check.jsonl"
+        tail -5 "$OUT/$name.log"
+    fi
+}
+
+step 1-machine python3 benchmarks/gpu_check.py machine --device "$DEV"
+step 2-tokens python3 benchmarks/gpu_check.py tokens --device "$DEV"
+step 3-speed python3 benchmarks/gpu_check.py speed --device "$DEV" --arch "$ARCH" "${SPEED[@]}"
+python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
+from vs_trl import build_model; build_model(Path('$OUT/model'), 64, 2, 4, '$ARCH')"
+step 4-qwen-preset python3 -c "import json, sys, train_gsm8k, torch; \
+s = train_gsm8k.main(sys.argv[1:]); print(json.dumps({'check': 'qwen-preset', \
+'accuracy_before': s['accuracy_before'], 'accuracy_after': s['accuracy_after'], \
+'wall_seconds': s['wall_seconds'], 'sampler': s['grpo_config']['sampler'], 'device': s['device'], \
+'peak_gpu_mb': torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None}))" \
+    --preset qwen2.5-0.5b --model "$OUT/model" --data tiny --device "$DEV" --compile on \
+    --out "$OUT/qwen-preset" "${TRAIN[@]}"
+step 5-vs-trl python3 benchmarks/vs_trl.py --arch "$ARCH" --device "$DEV" "${TRL[@]}"
+rm -rf "$OUT/model" "$OUT/qwen-preset"/checkpoint-* "$OUT/qwen-preset/final"
+echo "all JSON lines: $OUT/gpu_check.jsonl"
+exit "$failed"
