@@ -331,10 +331,11 @@ factor 2 allows for completions that end early and for evaluation's own shapes."
 
 def sampler_for(compile_mode: str, sampler: str, decode_steps: int) -> str:
     """grpo.GRPOConfig.sampler for a run: 'compiled' in place of the default 'engine' when
-    --compile is on, or auto with at least AUTO_COMPILE_DECODE_STEPS decode steps ahead. A sampler
-    chosen by name ('compiled', 'reference') stays."""
-    on = compile_mode == "on" or (compile_mode == "auto"
-                                  and decode_steps >= AUTO_COMPILE_DECODE_STEPS)
+    --compile is on, or auto with at least AUTO_COMPILE_DECODE_STEPS decode steps ahead; 'engine'
+    in place of 'compiled' when it is off (a resumed run can turn it off). 'reference' stays."""
+    if compile_mode == "off":
+        return "engine" if sampler == "compiled" else sampler
+    on = compile_mode == "on" or decode_steps >= AUTO_COMPILE_DECODE_STEPS
     return "compiled" if on and sampler == "engine" else sampler
 
 

@@ -207,6 +207,9 @@ def fit_exponents(rows: list[dict]) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    p.add_argument("--arch", choices=["llama", "qwen2.5-0.5b"], default="llama",
+                   help="llama sized by --hidden/--layers (default), or Qwen2.5-0.5B's "
+                        "architecture")
     p.add_argument("--hidden", type=int, default=64,
                    help="model width for the profile (default 64)")
     p.add_argument("--layers", type=int, default=2,
@@ -242,11 +245,13 @@ def main(argv=None):
         return None
     if not a.scaling:
         with tempfile.TemporaryDirectory() as tmp:
-            build_model(Path(tmp), a.hidden, a.layers, 4)
+            build_model(Path(tmp), a.hidden, a.layers, 4, a.arch)
             with contextlib.redirect_stdout(sys.stderr):
                 res = profile(tmp, a.group_size, a.prompts, a.tokens, a.steps, a.warmup, a.threads,
                               sampler=sampler)
-        print_profile(res, f"One grpo_step, llama hidden {a.hidden} x {a.layers} layers "
+        model = (f"llama hidden {a.hidden} x {a.layers} layers" if a.arch == "llama"
+                 else "qwen2.5-0.5b architecture")
+        print_profile(res, f"One grpo_step, {model} "
                            f"({res['parameters'] / 1e6:.2f} M), G={a.group_size}, "
                            f"{a.prompts} prompts, "
                            f"{a.tokens} tokens, {a.threads} thread(s), median of {a.steps} steps, "
