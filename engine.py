@@ -322,11 +322,12 @@ def compile_layers(sampler: str, *models) -> int:
     return len(layers)
 
 
-AUTO_COMPILE_DECODE_STEPS = 20_000
-"""--compile auto turns compiled decoding on from this many decode steps in a run (steps x
-max_new_tokens). Measured on a 2-core CPU at the quick start's shapes (docs/speed.md): a cold
-compile took 17.5 s and saved 1.7 ms per decode step, so it pays from about 10,000 steps; the
-factor 2 allows for completions that end early and for evaluation's own shapes."""
+AUTO_COMPILE_DECODE_STEPS = 100_000
+"""--compile auto turns compiling on from this many decode steps in a run (steps x max_new_tokens).
+Measured on a 2-core CPU (docs/speed.md): the quick start (5,760 decode steps) ran 37 s slower
+end to end with compiling on, from cold caches, so compiling costs about 40 s up front at that
+size, and it saved 0.4 to 1.6 ms per decode step in two runs of gpu_check.py speed: it pays from
+25,000 to 100,000 decode steps. auto takes the upper end."""
 
 
 def sampler_for(compile_mode: str, sampler: str, decode_steps: int) -> str:

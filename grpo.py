@@ -577,7 +577,7 @@ def make_optimizer(policy, cfg: GRPOConfig):
     params = [p for p in policy.parameters() if p.requires_grad]
     # WHY (memory, speed): the fused kernel updates each tensor in one pass: no model-sized
     #      temporaries (AdamW's foreach default makes them on a GPU; TRL fuses too), and on a CPU
-    #      4-7x faster than the default plain loop (benchmarks/profile_step.py, docs/speed.md).
+    #      about twice as fast as the default plain loop (docs/speed.md).
     fused = all(p.device.type in ("cuda", "cpu") for p in params)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
 

@@ -67,8 +67,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (slower)."""
     compile: str = "auto"
-    """Compiled decoding (engine.decode_compiled): on, off, or auto: on when steps x max_new_tokens
-    >= engine.AUTO_COMPILE_DECODE_STEPS, where the compile time pays back (docs/speed.md)."""
+    """torch.compile for sampling and layers: on, off, auto (on where it pays: docs/speed.md)."""
     system_prompt: str = ""
     """System message for models with a chat template; empty for none."""
     threads: int = 0
@@ -170,7 +169,8 @@ def main(argv=None) -> dict:
         tcfg.compile, gcfg.sampler, tcfg.steps * gcfg.max_new_tokens))
     import torch
     from tqdm.auto import tqdm
-    torch.set_num_threads(tcfg.threads or torch.get_num_threads())  # 0: torch's default
+    if tcfg.threads:
+        torch.set_num_threads(tcfg.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     device = device if tcfg.device == "auto" else tcfg.device
 

@@ -10,7 +10,8 @@ tokens: tiny random Llama and Qwen2 models in fp32 on the device. The reference 
     the line says whether each drew exactly the reference's tokens and whether compiled decoding
     fell back. Not asserted: on a GPU, kernels that differ between a cached and an uncached pass
     may round differently, and a flipped draw is then possible, if rare.
-speed: G completions of --tokens forced tokens for --prompts prompts, engine.decode against
+speed: G completions of --tokens forced tokens for --prompts prompts (random weights: Qwen2.5-0.5B's
+    architecture, or a Llama of --hidden x --layers), engine.decode against
     engine.decode_compiled, median of --repeats after one warm-up call each; compile seconds from
     dynamo's timers (engine.compile_seconds).
 Runs on CPU too (gpu_check.sh --dry-run): the same code at toy sizes.
@@ -88,13 +89,13 @@ def tokens(device: str) -> list[dict]:
 
 
 def speed(device: str, arch: str, bf16: bool, group_size: int, prompts: int, n_tokens: int,
-          repeats: int) -> dict:
+          repeats: int, hidden: int = 64, layers: int = 2) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import engine
     import grpo
     with tempfile.TemporaryDirectory() as tmp:
-        n_params = build_model(Path(tmp), 64, 2, 4, arch)
+        n_params = build_model(Path(tmp), hidden, layers, 4, arch)
         tok = AutoTokenizer.from_pretrained(tmp)
         model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(device).eval()
     texts = [r["prompt"] for r in rows_for(prompts)]
@@ -126,6 +127,8 @@ def main(argv=None):
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--arch", choices=["llama", "qwen2.5-0.5b"], default="qwen2.5-0.5b",
                    help="speed: Qwen2.5-0.5B's architecture (default) or a hidden-64 Llama")
+    p.add_argument("--hidden", type=int, default=64, help="speed, llama: width (default 64)")
+    p.add_argument("--layers", type=int, default=2, help="speed, llama: blocks (default 2)")
     p.add_argument("--bf16", action="store_true", help="speed: bf16 autocast")
     p.add_argument("--group-size", type=int, default=8, help="speed: G (default 8)")
     p.add_argument("--prompts", type=int, default=4, help="speed: prompts (default 4)")
@@ -140,7 +143,8 @@ def main(argv=None):
     elif a.check == "tokens":
         rows = tokens(a.device)
     else:
-        rows = [speed(a.device, a.arch, a.bf16, a.group_size, a.prompts, a.tokens, a.repeats)]
+        rows = [speed(a.device, a.arch, a.bf16, a.group_size, a.prompts, a.tokens, a.repeats,
+                      a.hidden, a.layers)]
     for row in rows:
         print(json.dumps(row))
     return rows

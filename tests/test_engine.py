@@ -339,15 +339,16 @@ def test_compiled_decoding_falls_back_with_its_reason_printed_once(tiny, capsys,
 
 
 def test_compile_auto_turns_on_where_the_decode_steps_pay_for_it():
-    """--compile auto: on from engine.AUTO_COMPILE_DECODE_STEPS decode steps. The quick start
-    (60 steps x 96 tokens = 5,760) stays eager; the Qwen preset (200 x 512 = 102,400) compiles.
+    """--compile auto: on from engine.AUTO_COMPILE_DECODE_STEPS (100,000) decode steps. The quick
+    start (60 steps x 96 tokens = 5,760) stays eager; the Qwen preset (200 x 512 = 102,400)
+    compiles.
     'on' and 'off' force it (off also turns a resumed run's 'compiled' back to 'engine'); auto
     keeps a sampler chosen by name, and 'reference' always stays."""
-    assert engine.AUTO_COMPILE_DECODE_STEPS == 20_000
+    assert engine.AUTO_COMPILE_DECODE_STEPS == 100_000
     assert engine.sampler_for("auto", "engine", 60 * 96) == "engine"
     assert engine.sampler_for("auto", "engine", 200 * 512) == "compiled"
-    assert engine.sampler_for("auto", "engine", 20_000) == "compiled"
-    assert engine.sampler_for("auto", "engine", 19_999) == "engine"
+    assert engine.sampler_for("auto", "engine", 100_000) == "compiled"
+    assert engine.sampler_for("auto", "engine", 99_999) == "engine"
     assert engine.sampler_for("on", "engine", 1) == "compiled"
     assert engine.sampler_for("off", "engine", 10**9) == "engine"
     assert engine.sampler_for("on", "reference", 10**9) == "reference"
