@@ -134,21 +134,32 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_siz
         if sdpa:
             seen = seen.bool()                                                   # (N, P+T)
         next_position = (prompt_mask.sum(1, keepdim=True) - 1).clamp(min=0) + 1  # (N, 1)
-        done = torch.zeros(N, dtype=torch.bool, device=prompt_ids.device)        # (N,)
-        tokens = []
-        for t in range(T):
-            next_ids, done = pick(logits, t, done)                               # (N,), (N,)
-            tokens.append(next_ids)
-            if done.all() or t == T - 1:
-                break
+
+        def step(next_ids, t):
             # Decode: feed only the new token; the KV cache holds everything before it.
             mask = seen[:, :P + t + 1]                                           # (N, P+t+1)
             if sdpa:
                 mask = mask[:, None, None, :]                                    # (N, 1, 1, P+t+1)
             out = model(input_ids=next_ids[:, None], attention_mask=mask,       # (N, 1)
                         position_ids=next_position + t, use_cache=True, **{kv_name: cache})
-            logits = out.logits[:, -1, :].float()                                # (N, V)
+            return out.logits[:, -1, :].float()                                  # (N, V)
+
+        tokens = draw_loop(pick, logits, T, step)
     return torch.stack(tokens, dim=1)                                            # (N, T)
+
+
+def draw_loop(pick, logits: torch.Tensor, T: int, step) -> list[torch.Tensor]:
+    """Up to T tokens for every row: draw one from logits (N, V) with pick, then step(ids (N,), t)
+    gives the next logits; stop once every row has ended. Returns the T' <= T drawn (N,) ids."""
+    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)  # (N,)
+    tokens = []
+    for t in range(T):
+        next_ids, done = pick(logits, t, done)                                   # (N,), (N,)
+        tokens.append(next_ids)
+        if done.all() or t == T - 1:
+            break
+        logits = step(next_ids, t)                                               # (N, V)
+    return tokens
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,13 +282,8 @@ def _decode_compiled(model, prompt_ids, prompt_mask, group_size, max_new_tokens,
         #      view under SDPA (as in decode), the 2D mask for other attention kernels.
         mask = seen[:, None, None, :] if sdpa_full_attention(model) else seen    # (N, 1, 1, L)
         next_position = (prompt_mask.sum(1, keepdim=True) - 1).clamp(min=0) + 1  # (N, 1)
-        done = torch.zeros(N, dtype=torch.bool, device=prompt_ids.device)        # (N,)
-        tokens = []
-        for t in range(T):
-            next_ids, done = pick(logits, t, done)                               # (N,), (N,)
-            tokens.append(next_ids)
-            if done.all() or t == T - 1:
-                break
+
+        def one_token(next_ids, t):
             seen[:, Pb + t] = True
             if cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()
@@ -289,8 +295,10 @@ def _decode_compiled(model, prompt_ids, prompt_mask, group_size, max_new_tokens,
             with (torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if t >= 2
                   else torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)):
                 logits = step(model, cache, next_ids[:, None], mask, next_position + t)  # (N, V)
-            if cuda_graphs:
-                logits = logits.clone()  # WHY: the next replay overwrites the graph's output
+            # WHY: under CUDA graphs the next replay overwrites the graph's output.
+            return logits.clone() if cuda_graphs else logits
+
+        tokens = draw_loop(pick, logits, T, one_token)
     return torch.stack(tokens, dim=1)                                            # (N, T)
 
 
