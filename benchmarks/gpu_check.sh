@@ -15,6 +15,7 @@
 #      --compile on) for 3 steps on a random Qwen2.5-0.5B-architecture model and tiny-world data,
 #      with its peak GPU memory;
 #   5. benchmarks/vs_trl.py at Qwen2.5-0.5B's architecture, bf16, against TRL.
+# GPU_CHECK_SKIP="5-vs-trl ..." leaves out the steps it names.
 # Offline GPU machines lack TRL (and may hold an older transformers): wheels in .whl/ are installed
 # to /tmp/site first when that folder exists. docs/speed.md gives the pip download line.
 set -uo pipefail
@@ -44,6 +45,7 @@ failed=0
 
 step() {  # step NAME COMMAND...: run it under the time limit, keep its log and its JSON lines
     local name="$1"; shift
+    case " ${GPU_CHECK_SKIP:-} " in *" $name "*) echo "== $name: skipped (GPU_CHECK_SKIP)"; return;; esac
     echo "== $name"
     timeout "$LIMIT" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
