@@ -114,16 +114,9 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_siz
     #      op, which counts when a small model's time is per-op overhead. Its tensors cannot be
     #      saved for backward, so the ids are stacked after the block, as ordinary tensors.
     with torch.inference_mode():
-        # Prefill once per distinct prompt. WHY (speed): the G copies of a prompt would compute the
-        # same keys and values G times; compute them once and repeat the KV cache G times instead.
-        out = model(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True,
-                    # WHY: number positions from each prompt's first real token, as generate() does.
-                    position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),       # (B, P)
-                    **last_logits_only(model, 1))
+        out, logits, prompt_mask, next_position = prefill(model, prompt_ids, prompt_mask, G)
         cache = out[kv_name]
         cache.batch_repeat_interleave(G)                                      # (B, ...) -> (N, ...)
-        logits = out.logits[:, -1, :].float().repeat_interleave(G, 0)            # (N, V)
-        prompt_mask = prompt_mask.repeat_interleave(G, 0)                        # (N, P)
         N, P = prompt_mask.shape
         # WHY (speed): one mask for the whole loop, sliced each step, not a new column per token.
         #      Every generated column counts as real: a finished row only goes on to make pads.
@@ -133,7 +126,6 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_siz
         #      attention and sliding windows get the plain 2D mask.
         if sdpa:
             seen = seen.bool()                                                   # (N, P+T)
-        next_position = (prompt_mask.sum(1, keepdim=True) - 1).clamp(min=0) + 1  # (N, 1)
 
         def step(next_ids, t):
             # Decode: feed only the new token; the KV cache holds everything before it.
@@ -146,6 +138,22 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_siz
 
         tokens = draw_loop(pick, logits, T, step)
     return torch.stack(tokens, dim=1)                                            # (N, T)
+
+
+def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, G: int):
+    """One forward over B left-padded prompts (B, P), their KV cache kept: (the model's output,
+    next-token logits repeated G times (N, V), the prompt mask repeated (N, P), and each row's
+    position for its first new token (N, 1)). Both decode loops start here, in inference mode.
+    WHY (speed): the G copies of a prompt would compute the same keys and values G times; compute
+    them once; the caller repeats the KV cache G times."""
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True,
+                # WHY: number positions from each prompt's first real token, as generate() does.
+                position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),           # (B, P)
+                **last_logits_only(model, 1))
+    logits = out.logits[:, -1, :].float().repeat_interleave(G, 0)                # (N, V)
+    prompt_mask = prompt_mask.repeat_interleave(G, 0)                            # (N, P)
+    next_position = (prompt_mask.sum(1, keepdim=True) - 1).clamp(min=0) + 1      # (N, 1)
+    return out, logits, prompt_mask, next_position
 
 
 def draw_loop(pick, logits: torch.Tensor, T: int, step) -> list[torch.Tensor]:
@@ -255,12 +263,9 @@ def _decode_compiled(model, prompt_ids, prompt_mask, group_size, max_new_tokens,
     step = compiled_step(prompt_ids.device.type)
     cuda_graphs = prompt_ids.is_cuda
     with torch.inference_mode():
-        # Prefill eagerly, once per distinct prompt, exactly as decode() does. WHY eager: prompt
-        # lengths vary, and a prefill is one call per step, so compiling it would not pay.
-        out = model(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True,
-                    position_ids=(prompt_mask.cumsum(1) - 1).clamp(min=0),       # (B, P)
-                    **last_logits_only(model, 1))
-        logits = out.logits[:, -1, :].float().repeat_interleave(G, 0)            # (N, V)
+        # Prefill eagerly, exactly as decode() does. WHY eager: prompt lengths vary, and a prefill
+        # is one call per step, so compiling it would not pay.
+        out, logits, prompt_mask, next_position = prefill(model, prompt_ids, prompt_mask, G)
         # Copy the prompt's keys and values into slots Pb-P .. Pb-1 of the static cache; the slots
         # before them stay zero and masked: extra left padding, which changes no logit.
         prefilled = out["cache"].layers
@@ -275,13 +280,11 @@ def _decode_compiled(model, prompt_ids, prompt_mask, group_size, max_new_tokens,
             layer.keys[:, :, Pb - P:Pb].copy_(k)
             layer.values[:, :, Pb - P:Pb].copy_(v)
             layer.cumulative_length.fill_(Pb)  # WHY: token t is written to slot Pb + t
-        prompt_mask = prompt_mask.repeat_interleave(G, 0)                        # (N, P)
         seen = torch.zeros(N, Pb + T, dtype=torch.bool, device=prompt_ids.device)  # (N, L)
         seen[:, Pb - P:Pb] = prompt_mask.bool()
         # WHY: one fixed-shape mask for the whole loop, a column switched on per token: a ready 4D
         #      view under SDPA (as in decode), the 2D mask for other attention kernels.
         mask = seen[:, None, None, :] if sdpa_full_attention(model) else seen    # (N, 1, 1, L)
-        next_position = (prompt_mask.sum(1, keepdim=True) - 1).clamp(min=0) + 1  # (N, 1)
 
         def one_token(next_ids, t):
             seen[:, Pb + t] = True
