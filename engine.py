@@ -185,6 +185,7 @@ RECOMPILE_LIMIT = 64
 """Compiled shapes (model x batch size x cache width) per process before decoding stays eager."""
 _caches = weakref.WeakKeyDictionary()  # model -> {shape key: StaticCache}, reused across steps
 _warned = set()                        # reasons for falling back, each printed once
+_failed = weakref.WeakKeyDictionary()  # model -> why compiling it failed: not tried again
 
 
 def compile_blocker(model) -> str | None:
@@ -234,9 +235,10 @@ def decode_compiled(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
                     max_new_tokens: int, pick) -> torch.Tensor:
     """decode() with a static KV cache and a compiled decode step; same contract, same tokens
     (tests/test_engine.py). Falls back to decode(), with the reason printed once, where it cannot
-    run: see compile_blocker, and any error while compiling (no C++ compiler, an unsupported op).
+    run: see compile_blocker, and any error while compiling (no C++ compiler, an unsupported op),
+    after which that model is not tried again.
     """
-    reason = compile_blocker(model)
+    reason = _failed.get(model) or compile_blocker(model)
     if reason is None:
         rng = torch.random.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if prompt_ids.is_cuda else None
@@ -245,6 +247,8 @@ def decode_compiled(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
                                     pick)
         except Exception as e:  # noqa: BLE001 -- any failure to compile means: run eagerly
             reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+            # WHY: a failed compile costs seconds; retrying it at every step would repeat that.
+            _failed[model] = reason
             # WHY: the failed attempt may have drawn tokens; rewind so the seed's draws repeat.
             torch.random.set_rng_state(rng)
             if cuda_rng is not None:

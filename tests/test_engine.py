@@ -314,7 +314,8 @@ def test_a_second_step_with_other_prompt_lengths_does_not_recompile(tiny, capsys
 def test_compiled_decoding_falls_back_with_its_reason_printed_once(tiny, capsys, monkeypatch):
     """Where it cannot run, decode_compiled draws with decode() instead and says why, once:
     a sliding-window model (compile_blocker), and a compile that fails after some tokens were
-    drawn, whose draws are rewound, so the tokens are still exactly the seed's."""
+    drawn, whose draws are rewound, so the tokens are still exactly the seed's. A model whose
+    compile failed is not tried again at the next step."""
     tok, model = tiny
     sliding = copy.deepcopy(model)
     sliding.config.sliding_window = 16
@@ -332,10 +333,14 @@ def test_compiled_decoding_falls_back_with_its_reason_printed_once(tiny, capsys,
         return engine._decode_step(*args)
 
     monkeypatch.setattr(engine, "compiled_step", lambda device_type: breaks_on_the_third_token)
-    fast, slow = (sample(model, tok, s) for s in ("compiled", "reference"))
+    broken = copy.deepcopy(model)  # WHY a copy: the shared model must stay compilable for others
+    fast, slow = (sample(broken, tok, s) for s in ("compiled", "reference"))
     assert len(calls) == 3 and torch.equal(fast["completion_ids"], slow["completion_ids"])
     assert "compiled decoding is off (RuntimeError: no C++ compiler found)" in \
         capsys.readouterr().err
+    again = sample(broken, tok, "compiled")
+    assert len(calls) == 3 and torch.equal(again["completion_ids"], slow["completion_ids"])
+    assert "compiled decoding is off" not in capsys.readouterr().err   # said once already
 
 
 def test_compile_auto_turns_on_where_the_decode_steps_pay_for_it():
