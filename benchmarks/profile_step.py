@@ -237,7 +237,8 @@ def main(argv=None):
     if a.steps < 1 or a.warmup < 0 or a.repeats < 1:
         p.error("--steps and --repeats must be at least 1, --warmup at least 0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sampler = "compiled" if a.compile == "on" else "engine"
+    import engine
+    sampler = engine.sampler_for(a.compile, "engine", 0)  # on: 'compiled', off: 'engine'
 
     if a.worker:
         print(json.dumps(profile(a.worker, a.group_size, a.prompts, a.tokens, a.steps, a.warmup,

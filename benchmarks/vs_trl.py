@@ -112,12 +112,13 @@ def sync(device: str):
 def grpo_config(a):
     """Our side's config; main() also builds it first, so a bad value is GRPOConfig's one-line
     error."""
+    import engine
     import grpo
     return grpo.GRPOConfig(group_size=a.group_size, max_new_tokens=a.tokens,
                            min_new_tokens=a.tokens, beta=a.beta,
                            num_iterations=a.num_iterations, lr=a.lr,
                            micro_batch_size=a.prompts * a.group_size,
-                           sampler="compiled" if a.compile == "on" else "engine")
+                           sampler=engine.sampler_for(a.compile, "engine", 0))
 
 
 def max_dropout(model) -> float:
