@@ -88,6 +88,22 @@ def tiny_llama(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, ffn
     return model
 
 
+def tiny_qwen2(tokenizer, seed: int = 0):
+    """A randomly initialised Qwen2 (hidden 32, 2 layers): grouped-query attention (4 query heads
+    share 2 key/value heads) and q/k/v biases, the architecture of the Qwen preset in small. For
+    the samplers' tests (tests/test_engine.py) and benchmarks/gpu_check.py."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
 # ----------------------------------------------------------------------------------------------
 # GSM8K-style word problems
 # ----------------------------------------------------------------------------------------------

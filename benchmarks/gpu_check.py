@@ -67,18 +67,10 @@ def torch_seed(seed: int, device: str):
 
 
 def tokens(device: str) -> list[dict]:
-    import torch
     import tiny_world
-    from transformers import Qwen2Config, Qwen2ForCausalLM
     tok = tiny_world.char_tokenizer()
-    torch.manual_seed(0)
-    qwen = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id))
-    qwen.generation_config.eos_token_id = tok.eos_token_id
-    models = {"llama": tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2), "qwen2": qwen}
+    models = {"llama": tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2),
+              "qwen2": tiny_world.tiny_qwen2(tok)}
     rows = []
     for name, model in models.items():
         model = model.to(device).eval()

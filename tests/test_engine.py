@@ -216,20 +216,6 @@ def test_greedy_and_min_new_tokens_match_generate(tiny, arch, sampler):
 
 
 # --- compiled decoding: a static KV cache and the decode step under torch.compile -----------------
-def tiny_qwen2(tok):
-    """Qwen2: grouped-query attention (4 query heads share 2 key/value heads) and q/k/v biases."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id))
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    return model
-
-
 COMPILED_ARCHS = ["llama", pytest.param("llama-eager", marks=pytest.mark.slow),
                   pytest.param("gpt2", marks=pytest.mark.slow),
                   pytest.param("qwen2", marks=pytest.mark.slow)]
@@ -240,7 +226,7 @@ def compiled_models(tiny):
     """One model per architecture for the whole module, so each compiles once."""
     tok = tiny[0]
     return {"llama": tiny[1], "llama-eager": model_for("llama-eager", tiny),
-            "gpt2": tiny_gpt2(tok), "qwen2": tiny_qwen2(tok)}
+            "gpt2": tiny_gpt2(tok), "qwen2": tiny_world.tiny_qwen2(tok)}
 
 
 def no_fallback(capsys):
