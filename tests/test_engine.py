@@ -109,24 +109,35 @@ def test_a_different_seed_draws_different_tokens(tiny):
     assert not torch.equal(a["completion_ids"], b["completion_ids"])
 
 
+def contains_a(completions, **kw):
+    """A reward with signal on random text: 1 where the completion holds an 'a'."""
+    return [float("a" in c) for c in completions]
+
+
+def one_step(base, tok, sampler: str, checkpointing: bool = False):
+    """One grpo_step with this sampler from a copy of base's weights, seed 0: (its metrics, the
+    step time left out, with the samples; the updated weights; how many layers were compiled).
+    With the 'compiled' sampler the decoder layers are compiled too, as train_gsm8k.py does."""
+    policy = copy.deepcopy(base)
+    if checkpointing:
+        engine.enable_activation_checkpointing(policy)
+    policy.train()
+    cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=12, lr=1e-2, sampler=sampler)
+    ref = grpo.make_reference(policy)
+    n_compiled = engine.compile_layers(sampler, policy, ref)
+    torch.manual_seed(0)
+    m = grpo.grpo_step(policy, ref, grpo.make_optimizer(policy, cfg), tok, ["Q1", "Q22"],
+                       [contains_a], cfg, return_samples=True)
+    m.pop("step_time")
+    return m, policy.state_dict(), n_compiled
+
+
 def test_a_whole_grpo_step_is_the_same_with_either_sampler(tiny):
-    """One full grpo_step per sampler from the same seed and weights: every metric (but the time)
-    and every updated weight are equal."""
+    """One full grpo_step per sampler from the same seed and weights: every metric (but the time),
+    every logged sample and every updated weight are equal."""
     tok, base = tiny
-
-    def contains_a(completions, **kw):
-        return [float("a" in c) for c in completions]
-
-    results = []
-    for sampler in ("engine", "reference"):
-        policy = copy.deepcopy(base)
-        cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=12, lr=1e-2, sampler=sampler)
-        torch.manual_seed(0)
-        m = grpo.grpo_step(policy, grpo.make_reference(policy), grpo.make_optimizer(policy, cfg),
-                           tok, ["Q1", "Q22"], [contains_a], cfg)
-        m.pop("step_time")
-        results.append((m, policy.state_dict()))
-    (m_fast, w_fast), (m_slow, w_slow) = results
+    (m_fast, w_fast, _), (m_slow, w_slow, _) = (one_step(base, tok, s)
+                                                for s in ("engine", "reference"))
     assert m_fast == m_slow and m_fast["reward_std"] > 0
     assert all(torch.equal(w_fast[k], w_slow[k]) for k in w_fast)
 
@@ -356,25 +367,9 @@ def test_compiled_layers_give_the_eager_step_within_float_tolerance(tiny, checkp
     tokens, the same metrics and the same updated weights, within float tolerance (the fused
     kernels round differently). With gradient checkpointing too."""
     tok, base = tiny
-
-    def contains_a(completions, **kw):
-        return [float("a" in c) for c in completions]
-
-    results = []
-    for sampler in ("compiled", "engine"):
-        policy = copy.deepcopy(base)
-        if checkpointing:
-            engine.enable_activation_checkpointing(policy)
-        policy.train()
-        cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=12, lr=1e-2, sampler=sampler)
-        ref = grpo.make_reference(policy)
-        n = engine.compile_layers(sampler, policy, ref)
-        assert n == (4 if sampler == "compiled" else 0)
-        torch.manual_seed(0)
-        m = grpo.grpo_step(policy, ref, grpo.make_optimizer(policy, cfg), tok, ["Q1", "Q22"],
-                           [contains_a], cfg, return_samples=True)
-        results.append((m, policy.state_dict()))
-    (fast, w_fast), (slow, w_slow) = results
+    (fast, w_fast, n_fast), (slow, w_slow, n_slow) = (one_step(base, tok, s, checkpointing)
+                                                      for s in ("compiled", "engine"))
+    assert (n_fast, n_slow) == (4, 0)
     assert [s["completion"] for s in fast["samples"]] == [s["completion"] for s in slow["samples"]]
     assert slow["reward_std"] > 0 and slow["grad_norm"] > 0
     for key in ("loss", "kl", "entropy", "grad_norm", "reward"):
