@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 import grpo
+import lora
 from flags import InputError
 
 
@@ -104,10 +105,17 @@ def save_checkpoint(out: Path, policy, tokenizer, optimizer, state: dict) -> Pat
     return path
 
 
-def load_checkpoint(ckpt: Path, device: str, cfg: grpo.GRPOConfig):
-    """(policy, optimizer, state) from a checkpoint directory; every RNG is restored as saved."""
+def load_checkpoint(ckpt: Path, device: str, cfg: grpo.GRPOConfig, base=None):
+    """(policy, optimizer, state) from a checkpoint directory; every RNG is restored as saved.
+    A LoRA checkpoint holds the adapters only: they are loaded into `base`, the run's LoRA model
+    (the same object comes back, so a π_ref made from it stays valid)."""
     from transformers import AutoModelForCausalLM
-    policy = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    if lora.is_adapter_dir(ckpt):
+        if base is None:
+            raise InputError(f"{ckpt} holds LoRA adapters; resuming it needs --lora-r")
+        policy = lora.load_adapter_weights(base, ckpt)
+    else:
+        policy = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     policy = grpo.disable_dropout(policy).to(device)
     optimizer = grpo.make_optimizer(policy, cfg)
     trainer = torch.load(ckpt / "trainer_state.pt", weights_only=False)
@@ -119,11 +127,11 @@ def load_checkpoint(ckpt: Path, device: str, cfg: grpo.GRPOConfig):
     return policy, optimizer, json.loads((ckpt / "state.json").read_text())
 
 
-def resume(run_dir: Path, device: str, cfg: grpo.GRPOConfig, logs: list[str]):
+def resume(run_dir: Path, device: str, cfg: grpo.GRPOConfig, logs: list[str], base=None):
     """(policy, optimizer, state) of a run's newest checkpoint, with the partial saves a kill left
     removed and each JSONL log in `logs` cut back to the checkpoint's step."""
     remove_partial_saves(run_dir)
-    policy, optimizer, state = load_checkpoint(latest_checkpoint(run_dir), device, cfg)
+    policy, optimizer, state = load_checkpoint(latest_checkpoint(run_dir), device, cfg, base)
     for name in logs:
         keep_lines_up_to(run_dir / name, state["step"])
     return policy, optimizer, state

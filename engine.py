@@ -35,8 +35,10 @@ import torch
 # transformers plumbing: version probes, EOS and pad ids
 # ----------------------------------------------------------------------------------------------
 def accepts_logits_to_keep(model) -> bool:
-    """Whether forward() can skip computing logits for all but the last positions."""
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+    """Whether forward() can skip computing logits for all but the last positions.
+    NOTE: a PEFT model's forward takes **kwargs and hands them on; its base model's decides."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
 
 
 def last_logits_only(model, k: int) -> dict:

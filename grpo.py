@@ -26,7 +26,8 @@ What it leaves out, on purpose
     - multi-GPU, vLLM, DeepSpeed (see docs/past_one_gpu.md);
     - the paper's iterative reward-model retraining and reference resets (Algorithm 1's outer loop);
     - learned reward models: process supervision uses a rule-based step reward (rewards.py);
-    - speed machinery: the fast sampler is engine.py, which draws the same tokens as the one here.
+    - speed machinery: the fast sampler is engine.py, which draws the same tokens as the one here;
+      memory machinery (log-probs in chunks) is memory.py, LoRA is lora.py.
 
 Tensor dimensions used in shape comments
     B  prompts per step          G  completions per prompt (group_size)
@@ -86,6 +87,7 @@ from typing import Callable, Literal, Sequence, get_args
 import torch
 
 import engine
+import memory
 import rewards
 
 LossType = Literal["grpo", "token", "dr_grpo"]
@@ -155,6 +157,9 @@ class GRPOConfig:
     """'engine': engine.py's fast loop; 'compiled': the same with a static KV cache and the decode
     step under torch.compile; 'reference': reference_decode below, slower and plainer. All three
     draw the same tokens from the same seed (tests/test_engine.py)."""
+    logprob_chunk: int = 0
+    """Score log-probs this many completion tokens at a time (memory.py), never holding a whole
+    micro-batch's (n, T, V) logits; the same numbers. 0: all at once (the plain code below)."""
 
     def __post_init__(self):
         """Settings that cannot work fail here, at construction, with one line naming the field."""
@@ -172,7 +177,7 @@ class GRPOConfig:
         #       policy_update weights it so the summed gradient equals the full batch's (tested).
         for name, low in [("num_iterations", 1), ("max_new_tokens", 1), ("micro_batch_size", 1),
                           ("beta", 0), ("adv_eps", 0), ("weight_decay", 0),
-                          ("dynamic_sampling", 0)]:
+                          ("dynamic_sampling", 0), ("logprob_chunk", 0)]:
             if getattr(self, name) < low:
                 fail(name, f">= {low}")
         for name in ("clip_eps", "clip_eps_high", "temperature", "lr", "max_grad_norm"):
@@ -360,11 +365,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_rewards: bool
     sample std sqrt(4 · 0.25 / 3) = 0.57735; A = ±0.5 / (0.57735 + 1e-4), which is
     [+0.866, -0.866, -0.866, +0.866]. Rewards [1, 1, 1, 1] give A = [0, 0, 0, 0].
     """
-    if rewards.dim() != 1 or rewards.numel() % group_size != 0:
+    if group_size < 2 or rewards.dim() != 1 or rewards.numel() % group_size != 0:
         raise ValueError(f"rewards must be 1-D with a length divisible by group_size={group_size}, "
-                         f"got shape {tuple(rewards.shape)}")
-    if group_size < 2:
-        raise ValueError(f"group_size must be at least 2 for a group baseline, got {group_size}")
+                         f"which must be at least 2; got shape {tuple(rewards.shape)}")
     grouped = rewards.view(-1, group_size).float()                                    # (B, G)
     mean = grouped.mean(dim=1, keepdim=True)                                          # (B, 1)
     # PAPER: Â_i,t = r̃_i = (r_i - mean(r)) / std(r)                (§4.1.2, outcome supervision)
@@ -423,10 +426,11 @@ def process_advantages(step_rewards: list[list[tuple[int, float]]], group_size: 
 #        for the KL term).
 # WHY: one function scores all three, so they see the same positions, masks and temperature.
 def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                   temperature: float = 1.0, with_entropy: bool = False):
+                   temperature: float = 1.0, with_entropy: bool = False, chunk: int = 0):
     """log π(o_t | q, o_<t) of each completion token: (n, P), (n, T) -> logp (n, T) [, entropy].
 
     Runs with gradients if the caller has them on; wrap it in torch.no_grad() for π_old and π_ref.
+    chunk > 0: memory.token_logprobs_chunked computes the same, `chunk` tokens at a time.
     NOTE: the logits are divided by the sampling temperature, so the loss scores the very
           distribution that drew the tokens; at any temperature but 1 that is not the raw softmax.
     """
@@ -436,6 +440,9 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
     # WHY: sampling numbers positions from the first real token of a left-padded prompt; so must
     #      we, or models with absolute position embeddings would score a different sequence.
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)                        # (n, P+T)
+    if chunk:  # WHY (memory): at a real vocabulary the (n, T, V) logits below are the largest
+        return memory.token_logprobs_chunked(model, input_ids, attention_mask, position_ids,
+                                             completion_ids, temperature, with_entropy, chunk)
     # WHY (memory): logits for the last T+1 positions only; the prompt's (n, P, V) are never read.
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 use_cache=False, **engine.last_logits_only(model, T + 1))
@@ -610,13 +617,14 @@ def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOC
     tok_share = [mask[s].sum().item() / max(1, mask.sum().item()) for s in slices]
     weights = (tok_share if cfg.loss_type == "token"
                else [(s.stop - s.start) / mask.shape[0] for s in slices])
-    stats = {"loss": 0.0}  # then kl and clip_ratio/*: each a token-weighted mean over the batch
-    entropy_sum, grad_norm, skipped = 0.0, 0.0, 0
+    # NOTE: stats gains kl and clip_ratio/*, each a token-weighted mean over the batch.
+    stats, entropy_sum, grad_norm, skipped = {"loss": 0.0}, 0.0, 0.0, 0
     for it in range(mu):
         optimizer.zero_grad(set_to_none=True)
         loss_this_update = 0.0
         for (s, inputs), w, share in zip(micro_batches(batch, size), weights, tok_share):
-            logp, entropy = token_logprobs(policy, *inputs, cfg.temperature, with_entropy=True)
+            logp, entropy = token_logprobs(policy, *inputs, cfg.temperature, True,
+                                           cfg.logprob_chunk)                         # (n, T) x2
             # NOTE: with μ = 1 no π_old pass was run: π_old = π_θ, so logp_old = logp.detach().
             old = logp.detach() if logp_old is None else logp_old[s]                  # (n, T)
             ref = None if logp_ref is None else logp_ref[s]                           # (n, T)
@@ -683,7 +691,8 @@ def fixed_logprobs(policy, ref_model, batch: dict, cfg: GRPOConfig):
     NOTE: π_old must be scored before the first update moves π_θ: after it, π_θ is no longer the
           policy that sampled."""
     def over_batch(model):
-        return torch.cat([token_logprobs(model, *inputs, cfg.temperature)              # (n, T)
+        return torch.cat([token_logprobs(model, *inputs, cfg.temperature, False,
+                                         cfg.logprob_chunk)                           # (n, T)
                           for _, inputs in micro_batches(batch, cfg.micro_batch_size)])  # (N, T)
 
     # NOTE: with μ = 1 this pass is skipped: π_old = π_θ, and policy_update uses logp.detach().
@@ -723,8 +732,7 @@ def grpo_step(policy, ref_model, optimizer, tokenizer, prompts: list[str],
     logp_old, logp_ref = fixed_logprobs(policy, ref_model, batch, cfg)            # (N, T) or None
     # 5-8. μ updates: ratio, clip, KL, aggregation, backward, gradient clip, AdamW step.
     update = policy_update(policy, optimizer, batch, logp_old, logp_ref, cfg)
-    metrics = step_metrics(batch, sampled, update, cfg)
-    metrics["step_time"] = time.perf_counter() - t0
+    metrics = {**step_metrics(batch, sampled, update, cfg), "step_time": time.perf_counter() - t0}
     if return_samples:
         metrics["samples"] = samples_of(batch)
     return metrics
@@ -746,14 +754,13 @@ def step_metrics(batch: dict, sampled: list[dict], update: dict, cfg: GRPOConfig
     counts = [len(b["prompts"]) for b in sampled]  # WHY: each round's means weigh by its size
     reward_means = {k: sum(b["reward_means"][k] * n for b, n in zip(sampled, counts)) / sum(counts)
                     for k in sampled[0]["reward_means"]}
-    lengths = batch["completion_mask"].sum(1).float()                                 # (N,)
     metrics = {
         "reward": all_rewards.mean().item(),
         "reward_std": group_std.mean().item(),
         **{f"rewards/{name}": v for name, v in reward_means.items()},
         "frac_reward_zero_std": (group_std < 1e-8).float().mean().item(),
         **update,  # loss, kl, clip_ratio/low, /high, /region, entropy, grad_norm, skipped_updates
-        "completions/mean_length": lengths.mean().item(),
+        "completions/mean_length": batch["completion_mask"].sum(1).float().mean().item(),
         "completions/clipped_ratio": batch["truncated"].float().mean().item(),
     }
     if cfg.dynamic_sampling:
@@ -766,8 +773,8 @@ def samples_of(batch: dict) -> list[dict]:
     """One dict per completion: prompt, completion, reward, advantage (to spot reward hacking).
     NOTE: under process supervision the advantage is per token; the first token's, the sum of all
           the completion's normalised step rewards, is the one logged."""
-    A = batch["advantages"]
-    first = A if A.dim() == 1 else A[:, 0]                                            # (N,)
+    # WHY: a view as (N, 1) or (N, T); column 0 is A_i, or its first token's under process.
+    first = batch["advantages"].view(len(batch["prompts"]), -1)[:, 0]                 # (N,)
     return [dict(prompt=p, completion=c, reward=r, advantage=a) for p, c, r, a in
             zip(batch["prompts"], batch["completions"], batch["rewards"].tolist(), first.tolist())]
 
@@ -855,8 +862,7 @@ def merge_groups(parts: list[tuple[dict, list[int]]], G: int, pad_id: int) -> di
     out = {k: [b[k][r] for b, rs in rows for r in rs] for k in ("prompts", "completions")}
     out["columns"] = {k: [b["columns"][k][r] for b, rs in rows for r in rs]
                       for k in parts[0][0]["columns"]}
-    P = max(b["prompt_ids"].shape[1] for b, _ in parts)
-    T = max(b["completion_ids"].shape[1] for b, _ in parts)
+    P, T = (max(b[k].shape[1] for b, _ in parts) for k in ("prompt_ids", "completion_ids"))
     padding = {"prompt_ids": (P, "left", pad_id), "prompt_mask": (P, "left", 0),
                "completion_ids": (T, "right", pad_id), "completion_mask": (T, "right", 0),
                "advantages": (T, "right", 0.0), "rewards": None, "truncated": None}

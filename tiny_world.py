@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from checkpoint import save_pretrained_atomic
+from checkpoint import load_pretrained, save_pretrained_atomic
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 # WHY: printable ASCII plus newline covers GSM8K-style text; anything else maps to <unk>.
@@ -350,3 +350,10 @@ def more_supervised_steps(model, tokenizer, seconds: float,
     model.eval()
     return step
 
+
+def load_warm_start(steps: int, seed: int, log=print):
+    """(model, tokenizer, name) of the warm start of `steps` supervised steps from `seed`, built
+    on first use and cached (warm_start)."""
+    ws = WarmStartConfig(steps=steps, seed=seed)
+    name = f"tiny-world warm start ({ws.steps} supervised steps, seed {ws.seed})"
+    return (*load_pretrained(str(warm_start(ws, log=log)), name), name)

@@ -13,7 +13,8 @@ measures greedy held-out accuracy, runs --steps GRPO steps, measures again, and 
 metrics.jsonl (every metric, every step), curves.png, samples.jsonl, final/ (the model) and
 checkpoint-<step>/ to --out. Beside it: gsm8k.py (data, prompts, rewards, evaluation), checkpoint.py
 (crash-safe saves, resume), report.py (logs, curves, tables), flags.py (the flags), engine.py (fast
-sampling), tiny_world.py (the offline model, problems, warm start).
+sampling), memory.py (log-probs in chunks), lora.py (LoRA through PEFT), tiny_world.py (the
+offline model, problems, warm start).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import engine
 import flags
 import grpo
 import gsm8k
+import lora
+import memory
 import report
 from checkpoint import TrainingStopped
 from flags import InputError
@@ -66,6 +69,14 @@ class TrainConfig:
     """Compute in bfloat16 autocast. Weights and AdamW state stay fp32, so 1e-6 updates survive."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (slower)."""
+    offload_activations: bool = False
+    """Keep tensors saved for backward in CPU RAM (memory.offloaded; pays on a GPU). Slower."""
+    lora_r: int = 0
+    """LoRA rank (lora.py, needs peft); 0: full fine-tuning. π_ref: adapters off. Try --lr 1e-5."""
+    lora_alpha: float = 32.0
+    """LoRA's alpha: each adapter's update is scaled by alpha / r."""
+    lora_target_modules: str = "all-linear"
+    """Modules that get adapters: comma-separated names (q_proj,v_proj) or 'all-linear'."""
     compile: str = "auto"
     """torch.compile for sampling and layers: on, off, auto (on where it pays: docs/speed.md)."""
     system_prompt: str = ""
@@ -91,7 +102,7 @@ class TrainConfig:
         """Settings that cannot work fail here, with one line naming the field."""
         for name, low in [("steps", 0), ("prompts_per_step", 1), ("eval_size", 1), ("threads", 0),
                           ("eval_batch_size", 1), ("sample_every", 1), ("save_every", 0),
-                          ("max_bad_steps", 1)]:
+                          ("max_bad_steps", 1), ("lora_r", 0), ("lora_alpha", 1e-9)]:
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
 
@@ -148,16 +159,6 @@ def parse_args(argv=None) -> tuple[TrainConfig, grpo.GRPOConfig]:
         raise flags.config_error(e) from None
 
 
-def load_model(tcfg: TrainConfig, log=print):
-    """(policy, tokenizer, model name): --model (a hub id or a directory), else the tiny world's."""
-    if tcfg.model:
-        return (*checkpoint.load_pretrained(tcfg.model), tcfg.model)
-    import tiny_world
-    ws = tiny_world.WarmStartConfig(steps=tcfg.warm_start_steps, seed=tcfg.warm_start_seed)
-    name = f"tiny-world warm start ({ws.steps} supervised steps, seed {ws.seed})"
-    return (*checkpoint.load_pretrained(str(tiny_world.warm_start(ws, log=log)), name), name)
-
-
 # ----------------------------------------------------------------------------------------------
 # The run: data -> model -> loop -> evaluation -> save
 # ----------------------------------------------------------------------------------------------
@@ -182,19 +183,27 @@ def main(argv=None) -> dict:
     gsm8k.check_reward_funcs(reward_funcs, train_rows[:2], gcfg)
 
     # Model: the policy, the frozen reference, AdamW (or all of a checkpoint's state).
-    policy, tokenizer, model_name = load_model(tcfg, log=tqdm.write)
+    import tiny_world  # --model (a hub id or a directory), else the tiny world's warm start
+    policy, tokenizer, model_name = ((*checkpoint.load_pretrained(tcfg.model), tcfg.model)
+                                     if tcfg.model else tiny_world.load_warm_start(
+                                         tcfg.warm_start_steps, tcfg.warm_start_seed, tqdm.write))
     policy = grpo.disable_dropout(policy).to(device)
-    # PAPER: the reference is the model GRPO starts from; a resumed run rebuilds it the same way.
-    ref = grpo.make_reference(policy) if gcfg.beta != 0 else None
-    if ref is not None and tcfg.bf16:
-        ref = ref.to(torch.bfloat16)  # WHY (memory): a frozen reference needs no fp32 master copy
-    # WHY after loading: building the tiny warm start reseeds torch; runs that load it must match.
+    # WHY after loading: building the tiny warm start reseeds torch; runs that load it must match
+    #      (and LoRA's initial adapters are drawn from this seed).
     torch.manual_seed(tcfg.seed)
     random.seed(tcfg.seed)
+    if tcfg.lora_r:  # only the adapters train (lora.py); with --bf16 the frozen base is bf16
+        policy = lora.add_adapters(policy, tcfg.lora_r, tcfg.lora_alpha, tcfg.lora_target_modules,
+                                   bf16_base=tcfg.bf16)
+    # PAPER: the reference is the model GRPO starts from; a resumed run rebuilds it the same way.
+    # WHY (memory): with LoRA that is the base, adapters off: no copy. A frozen copy under --bf16
+    #      needs no fp32 master weights.
+    ref = (None if gcfg.beta == 0 else lora.AdaptersOff(policy) if tcfg.lora_r
+           else grpo.make_reference(policy).to(torch.bfloat16 if tcfg.bf16 else torch.float32))
     out = Path(tcfg.resume or tcfg.out or f"runs/{tcfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if tcfg.resume:
-        del policy
-        policy, optimizer, state = checkpoint.resume(out, device, gcfg, LOGS)
+    if tcfg.resume:  # WHY: LoRA's checkpoints hold adapters only; they load into the policy
+        base, policy = (policy if tcfg.lora_r else None), None
+        policy, optimizer, state = checkpoint.resume(out, device, gcfg, LOGS, base)
         tqdm.write(f"resuming {out} from checkpoint-{state['step']:06d} "
                    f"(step {state['step']} of {tcfg.steps})")
     else:
@@ -249,7 +258,7 @@ def main(argv=None) -> dict:
         B = tcfg.prompts_per_step
         rows = [train_rows[order[(i + (step - 1) * B) % len(order)]] for i in range(B)]
         prompts, columns = prompts_and_columns(rows)
-        with autocast:
+        with autocast, memory.offloaded(tcfg.offload_activations):
             m = grpo.grpo_step(policy, ref, optimizer, tokenizer, prompts, reward_funcs, gcfg,
                                columns=columns, return_samples=True, more_prompts=more_prompts)
         samples = m.pop("samples")
@@ -265,7 +274,8 @@ def main(argv=None) -> dict:
 
     acc_before, acc_after = state["evals"][0][1], evaluate("eval after")
     wall = time.perf_counter() - t_start
-    checkpoint.save_pretrained_atomic(policy, tokenizer, out / "final")
+    # NOTE: with LoRA, final/ holds the merged model (a plain one); checkpoints hold the adapters.
+    checkpoint.save_pretrained_atomic(lora.merged(policy), tokenizer, out / "final")
     report.plot_curves(metrics_log, state["evals"] + [(tcfg.steps, acc_after)], out / "curves.png")
     summary = {
         "accuracy_before": acc_before, "accuracy_after": acc_after,

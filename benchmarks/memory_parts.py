@@ -1,0 +1,210 @@
+"""
+benchmarks/memory_parts.py -- where one grpo_step's peak memory comes from, part by part (CPU).
+
+    python benchmarks/memory_parts.py                        # hidden-64 Llama, G=4, 2 prompts
+    python benchmarks/memory_parts.py --arch qwen2.5-0.5b --threads 2    # Qwen2.5-0.5B's arch
+    python benchmarks/memory_parts.py --arch qwen2.5-0.5b --threads 2 --gradient-checkpointing
+    python benchmarks/memory_parts.py --arch qwen2.5-0.5b --threads 2 --logprob-chunk 512
+    python benchmarks/memory_parts.py --arch qwen2.5-0.5b --threads 2 --lora-r 16
+
+It builds the model as benchmarks/vs_trl.py does (random weights, the same settings: forced
+completion length, micro-batch = the whole step, fp32), then measures in this one process:
+    persistent memory, read after each thing is made: the process after its imports, the policy's
+    weights, the frozen reference, AdamW's state (made by the first optimizer step);
+    each phase's own peak within step 2 (AdamW's state then exists), over the RSS the step started
+    at: sampling, the reference pass (no grad), the training forward, backward, the optimizer step.
+The peaks are exact, not sampled: Linux resets a process's high-water mark (VmHWM) when "5" is
+written to /proc/self/clear_refs, so each phase starts from its own starting RSS and VmHWM at its
+end is the highest that phase reached. Nothing in grpo.py changes to be measured: its functions
+are wrapped from outside, as benchmarks/profile_step.py does for time.
+
+The last line printed is JSON: {"baseline_mb", "weights_mb", "reference_mb", "optimizer_mb",
+"step_start_mb", "phases": {phase: peak over step start, MB}, "peak_mb", "peak_over_baseline_mb",
+"peak_phase", ...}.
+Linux only (it reads /proc/self); elsewhere it says so and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from vs_trl import build_model, rows_for  # noqa: E402
+
+PHASES = ("sampling", "reference log-probs", "training forward", "backward", "optimizer step")
+STATUS = Path("/proc/self/status")
+
+
+def status_mb(field: str) -> float:
+    """VmRSS (now) or VmHWM (the high-water mark since the last reset) of this process, in MB."""
+    return int(re.search(rf"{field}:\s+(\d+) kB", STATUS.read_text()).group(1)) / 1024
+
+
+def reset_peak():
+    """Start a new high-water mark at the current RSS (Linux >= 4.0, /proc/self/clear_refs)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads: int,
+            beta: float = 0.04, gradient_checkpointing: bool = False, logprob_chunk: int = 0,
+            lora_r: int = 0) -> dict:
+    """Persistent memory by part and each phase's peak in step 2 of grpo_step, in MB."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import engine
+    import grpo
+    import rewards
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    out = {"baseline_mb": status_mb("VmRSS")}
+    policy = grpo.disable_dropout(AutoModelForCausalLM.from_pretrained(model_dir,
+                                                                       dtype=torch.float32))
+    if lora_r:  # as train_gsm8k.py --lora-r does it
+        import lora
+        policy = lora.add_adapters(policy, lora_r, 2 * lora_r)
+    if gradient_checkpointing:
+        engine.enable_activation_checkpointing(policy)
+    policy.train()
+    out["weights_mb"] = status_mb("VmRSS") - out["baseline_mb"]
+    cfg = grpo.GRPOConfig(group_size=group_size, max_new_tokens=tokens, min_new_tokens=tokens,
+                          beta=beta, lr=1e-4, micro_batch_size=prompts * group_size,
+                          sampler="engine", logprob_chunk=logprob_chunk)
+    before = status_mb("VmRSS")
+    ref = (None if not beta else lora.AdaptersOff(policy) if lora_r
+           else grpo.make_reference(policy))
+    out["reference_mb"] = status_mb("VmRSS") - before
+    opt = grpo.make_optimizer(policy, cfg)
+
+    peaks, start = {}, [0.0]
+
+    def phase(name, fn):
+        def wrapper(*args, **kwargs):
+            if name == "training forward" and not torch.is_grad_enabled():
+                return fn(*args, **kwargs)  # the reference pass, measured as a whole
+            reset_peak()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                peaks[name] = max(peaks.get(name, 0.0), status_mb("VmHWM") - start[0])
+        return wrapper
+
+    real = (grpo.sample_completions, grpo.fixed_logprobs, grpo.token_logprobs,
+            torch.Tensor.backward)
+    grpo.sample_completions = phase("sampling", real[0])
+    grpo.fixed_logprobs = phase("reference log-probs", real[1])
+    grpo.token_logprobs = phase("training forward", real[2])
+    torch.Tensor.backward = phase("backward", real[3])
+    opt.step = phase("optimizer step", opt.step)
+    rows = rows_for(2 * prompts)
+    try:
+        for step in range(2):
+            if step == 1:  # step 2: AdamW's state exists, so this is the steady state
+                out["optimizer_mb"] = status_mb("VmRSS") - before - out["reference_mb"]
+                peaks.clear()
+            start[0] = status_mb("VmRSS")
+            batch = rows[step * prompts:(step + 1) * prompts]
+            grpo.grpo_step(policy, ref, opt, tok, [r["prompt"] for r in batch],
+                           [rewards.correctness_reward], cfg,
+                           columns={"answer": [r["answer"] for r in batch]})
+    finally:
+        (grpo.sample_completions, grpo.fixed_logprobs, grpo.token_logprobs,
+         torch.Tensor.backward) = real
+    out["step_start_mb"] = start[0] - out["baseline_mb"]
+    out["phases"] = {k: peaks.get(k, 0.0) for k in PHASES}
+    out["peak_phase"] = max(out["phases"], key=out["phases"].get)
+    out["peak_over_baseline_mb"] = out["step_start_mb"] + out["phases"][out["peak_phase"]]
+    out["peak_mb"] = out["baseline_mb"] + out["peak_over_baseline_mb"]
+    out["parameters"] = sum(p.numel() for p in policy.parameters())
+    out.update(gradient_checkpointing=gradient_checkpointing, logprob_chunk=logprob_chunk,
+               lora_r=lora_r, trainable=sum(p.numel() for p in policy.parameters()
+                                            if p.requires_grad))
+    return out
+
+
+def print_parts(res: dict, title: str):
+    mb = res["parameters"] * 4 / 2**20  # one fp32 copy of the parameters
+    tr = res["trainable"] * 4 / 2**20  # of the trainable ones: gradients, each AdamW moment
+    rows = [("process after imports (torch, transformers)", res["baseline_mb"], ""),
+            ("policy weights", res["weights_mb"], f"fp32 parameters: {mb:.0f}"),
+            ("frozen reference (a copy; none with LoRA)", res["reference_mb"],
+             "0" if res["lora_r"] else f"{mb:.0f}"),
+            ("AdamW state (exp_avg, exp_avg_sq)", res["optimizer_mb"], f"{2 * tr:.0f}")]
+    print(f"\n{title}\n\n| part | MB | for comparison (MB) |\n|---|---|---|")
+    for name, v, note in rows:
+        print(f"| {name} | {v:,.0f} | {note} |")
+    print(f"| **step 2 starts at (over the imports)** | {res['step_start_mb']:,.0f} | |")
+    for name, v in res["phases"].items():
+        note = f"gradients alone: {tr:.0f}" if name == "backward" else ""
+        print(f"| peak of {name}, over step start | +{v:,.0f} | {note} |")
+    print(f"| **peak ({res['peak_phase']})** | {res['peak_mb']:,.0f} | "
+          f"{res['peak_over_baseline_mb']:,.0f} over the imports |")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    p.add_argument("--arch", choices=["llama", "qwen2.5-0.5b"], default="llama",
+                   help="llama sized by --hidden/--layers (default), or Qwen2.5-0.5B's "
+                        "architecture")
+    p.add_argument("--hidden", type=int, default=64, help="llama width (default 64)")
+    p.add_argument("--layers", type=int, default=2, help="llama blocks (default 2)")
+    p.add_argument("--group-size", type=int, default=4, help="G (default 4)")
+    p.add_argument("--prompts", type=int, default=2, help="prompts per step (default 2)")
+    p.add_argument("--tokens", type=int, default=64,
+                   help="completion length, forced (default 64)")
+    p.add_argument("--beta", type=float, default=0.04,
+                   help="KL weight; 0: no reference (default 0.04)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute activations in backward, as train_gsm8k.py's flag does")
+    p.add_argument("--logprob-chunk", type=int, default=0,
+                   help="score log-probs this many tokens at a time (memory.py; default 0: off)")
+    p.add_argument("--lora-r", type=int, default=0,
+                   help="LoRA rank, alpha 2r, all linear layers (lora.py; default 0: off)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)  # a model dir: measure once, print JSON
+    a = p.parse_args(argv)
+    if not STATUS.exists():
+        p.error("this benchmark reads /proc/self (Linux only)")
+    if min(a.group_size, a.prompts, a.tokens, a.threads, a.hidden, a.layers) < 1:
+        p.error("--group-size, --prompts, --tokens, --threads, --hidden, --layers must be >= 1")
+    if min(a.logprob_chunk, a.lora_r) < 0:
+        p.error("--logprob-chunk and --lora-r must be >= 0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if a.worker:
+        with contextlib.redirect_stdout(sys.stderr):
+            res = measure(a.worker, a.group_size, a.prompts, a.tokens, a.threads, a.beta,
+                          a.gradient_checkpointing, a.logprob_chunk, a.lora_r)
+        print(json.dumps(res))
+        return res
+    # WHY a fresh process: building the model here leaves freed memory behind in this one, which
+    #      would blur the baseline; the worker only loads the saved model, as a user's run does.
+    with tempfile.TemporaryDirectory() as tmp:
+        build_model(Path(tmp), a.hidden, a.layers, 4, a.arch)
+        cmd = [sys.executable, __file__, "--worker", tmp, *(argv if argv is not None
+                                                               else sys.argv[1:])]
+        env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
+        if proc.returncode != 0:
+            raise SystemExit(f"error: the measuring worker failed (exit {proc.returncode})")
+        res = json.loads(proc.stdout.strip().splitlines()[-1])
+    model = (f"llama hidden {a.hidden} x {a.layers} layers" if a.arch == "llama"
+             else "Qwen2.5-0.5B architecture")
+    print_parts(res, f"Memory of one grpo_step, {model} ({res['parameters'] / 1e6:.1f} M), "
+                     f"G={a.group_size}, {a.prompts} prompts, {a.tokens} tokens, fp32, "
+                     f"gradient checkpointing {'on' if a.gradient_checkpointing else 'off'}, "
+                     f"log-prob chunk {a.logprob_chunk or 'off'}, LoRA r {a.lora_r or 'off'}")
+    print(json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""
+lora.py -- LoRA adapters through PEFT: train a few low-rank matrices, score π_ref with them off.
+
+    policy = lora.add_adapters(policy, r=16, alpha=32)     # a peft.PeftModel; the base is frozen
+    ref = lora.AdaptersOff(policy)                         # π_ref: the same model, adapters off
+    grpo.grpo_step(policy, ref, make_optimizer(policy, cfg), ...)   # grpo.py needs no change
+    lora.merged(policy).save_pretrained(path)              # a plain model from_pretrained loads
+
+    python train_gsm8k.py --lora-r 16 --lora-alpha 32 --lr 1e-5    # the same from the command line
+
+WHY: full fine-tuning keeps fp32 weights, gradients and AdamW's two moments (16 bytes a parameter)
+plus a frozen reference copy. With LoRA the gradients and AdamW state exist for the adapters only
+(well under 1% of the parameters at r = 16), and π_ref costs nothing: it is the base model, which
+LoRA never changes, reached by switching the adapters off (TRL does the same with PEFT). LoRA's B
+matrices start at zero, so before the first update the policy is exactly the base model.
+NOTE: LoRA usually wants a larger learning rate than full fine-tuning (1e-5 to 1e-4 against the
+      paper's 1e-6); no default here changes with it.
+peft is an optional dependency (pip install peft); without it, --lora-r fails with one line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from flags import InputError
+
+DEFAULT_TARGETS = "all-linear"
+"""Every linear layer of the decoder blocks, the lm_head excepted: PEFT's name for q/k/v/o and the
+MLP's gate/up/down in Llama- and Qwen-style models (c_attn, c_proj, c_fc in GPT-2). Our choice:
+adapting all of them is the common recipe for RL fine-tuning (QLoRA, Unsloth's GRPO notebooks)."""
+
+
+def peft_module():
+    """The peft package, or one line saying how to get it."""
+    try:
+        import peft
+    except ImportError:
+        raise InputError("LoRA (--lora-r) needs the peft package: pip install peft") from None
+    return peft
+
+
+def add_adapters(model, r: int, alpha: float, targets: str = DEFAULT_TARGETS,
+                 bf16_base: bool = False):
+    """`model` with LoRA adapters of rank r on `targets` (comma-separated module names, or
+    'all-linear'); only the adapters train. PEFT scales each adapter's update by alpha / r.
+    bf16_base: cast the frozen base to bf16 first (for bf16 autocast runs); the adapters, the only
+    weights AdamW updates, stay fp32 (PEFT's autocast_adapter_dtype), so small updates survive."""
+    peft = peft_module()
+    if bf16_base:
+        model = model.to(torch.bfloat16)
+    names = targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
+    # WHY dropout 0: dropout would make π_θ a random function at μ = 1 (grpo.disable_dropout).
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=names, lora_dropout=0.0,
+                             task_type="CAUSAL_LM")
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as e:  # e.g. a target module name the model does not have
+        raise InputError(f"--lora-target-modules {targets}: {str(e).splitlines()[0]}") from None
+
+
+def is_lora(model) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+class AdaptersOff:
+    """π_ref for a LoRA policy: calling it runs the policy with its adapters switched off, which is
+    exactly the base model (tests/test_lora.py checks the logits bit for bit). It holds no weights
+    of its own. Everything else (config, device, ...) is the policy's."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def __call__(self, *args, **kwargs):
+        with self.policy.disable_adapter():
+            return self.policy(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+
+def merged(policy):
+    """A plain transformers model with the adapters folded into the weights (W + (alpha/r) B A):
+    save_pretrained writes a model that AutoModelForCausalLM.from_pretrained loads, no peft needed.
+    NOTE: it changes `policy` in place, so call it last."""
+    return policy.merge_and_unload() if is_lora(policy) else policy
+
+
+def load_adapter_weights(model, adapter_dir: Path):
+    """Load a checkpoint's saved adapter weights into LoRA model `model`, in place (--resume);
+    returns `model`. A checkpoint whose adapters do not fit the model is refused in one line."""
+    from safetensors.torch import load_file
+    saved = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
+    result = peft_module().set_peft_model_state_dict(model, saved)
+    if result.unexpected_keys or len(saved) != sum(1 for n, _ in model.named_parameters()
+                                                    if "lora_" in n):
+        raise InputError(f"{adapter_dir}: its adapters do not match this model's LoRA settings")
+    return model
+
+
+def is_adapter_dir(path: Path) -> bool:
+    """A directory that PEFT's save_pretrained wrote (adapters only, no base weights)."""
+    return (Path(path) / "adapter_config.json").exists()
+
+
+def trainable_share(model) -> tuple[int, int]:
+    """(trainable parameters, all parameters)."""
+    n = [(p.numel(), p.requires_grad) for p in model.parameters()]
+    return sum(k for k, g in n if g), sum(k for k, _ in n)
+

@@ -1,0 +1,174 @@
+"""memory.py's switches against the plain code: log-probs in chunks (GRPOConfig.logprob_chunk) and
+activations kept in CPU RAM (memory.offloaded) give the same log-probs, entropies, losses and
+gradients as grpo.token_logprobs and a plain backward, within float tolerance, on a Llama, a
+GPT-2 and a Qwen2, with and without gradient checkpointing and LoRA; and a whole grpo_step with
+chunks lands on the same weights as without.
+
+Needs: torch and transformers (tiny random models built in memory); peft for the LoRA case. CPU,
+offline, ~10 s.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import engine
+import grpo
+import memory
+import tiny_world
+from test_engine import tiny_gpt2
+
+PROMPTS = ["What is 2+3?", "Hi", "Q: 7*8 then 9"]
+
+
+def model_for(arch, tok):
+    if arch == "gpt2":
+        return tiny_gpt2(tok)
+    if arch == "qwen2":
+        return tiny_world.tiny_qwen2(tok)
+    return tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0)
+
+
+def batch_of(model, tok, G=3, T=9):
+    """A sampled batch: left-padded prompts of 3 lengths, completions of varying length."""
+    torch.manual_seed(0)
+    return grpo.sample_completions(model, tok, PROMPTS, grpo.GRPOConfig(group_size=G,
+                                                                        max_new_tokens=T))
+
+
+def inputs(b):
+    return b["prompt_ids"], b["prompt_mask"], b["completion_ids"], b["completion_mask"]
+
+
+def logp_and_grads(model, b, chunk, temperature=1.0):
+    """(logp, entropy, every parameter's gradient) of a loss weighting each token differently."""
+    model.zero_grad(set_to_none=True)
+    logp, entropy = grpo.token_logprobs(model, *inputs(b), temperature, True, chunk)
+    w = torch.linspace(-1, 2, logp.numel()).view_as(logp)                           # (N, T)
+    (logp * w * b["completion_mask"]).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logp.detach(), entropy, grads
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
+@pytest.mark.parametrize("chunk", [1, 7, 10_000])
+def test_chunked_logprobs_and_gradients_match_the_plain_ones(arch, chunk):
+    """Chunks of 1 token, of 7 (not dividing N*T = 81, so the last is short) and one chunk
+    larger than the batch: log-probs, entropies and every gradient match the plain code at
+    temperature 0.7."""
+    tok = tiny_world.char_tokenizer()
+    model = model_for(arch, tok)
+    b = batch_of(model, tok)
+    want = logp_and_grads(model, b, 0, 0.7)
+    got = logp_and_grads(model, b, chunk, 0.7)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    assert got[2].keys() == want[2].keys() and len(want[2]) > 5
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_logprobs_without_gradients_and_a_wrong_offset_fails():
+    """Under no_grad (π_old, π_ref) the chunked values match too; and the check can fail: scoring
+    the hidden states one position late (the off-by-one the code warns about) does not match."""
+    tok = tiny_world.char_tokenizer()
+    model = model_for("llama", tok)
+    b = batch_of(model, tok)
+    with torch.no_grad():
+        want = grpo.token_logprobs(model, *inputs(b))
+        got = grpo.token_logprobs(model, *inputs(b), chunk=5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        late = grpo.token_logprobs(model, b["prompt_ids"][:, :-1], b["prompt_mask"][:, :-1],
+                                   *inputs(b)[2:], chunk=5)
+    assert not torch.allclose(late, want, atol=1e-3)
+
+
+def test_chunked_logprobs_with_gradient_checkpointing_and_lora():
+    """The chunked path goes through the backbone as the model's own forward does, so it sees
+    checkpointed layers and LoRA adapters (switched off for π_ref) the same way."""
+    pytest.importorskip("peft")
+    import lora
+    tok = tiny_world.char_tokenizer()
+    policy = lora.add_adapters(model_for("llama", tok), r=4, alpha=8)
+    for n, p in policy.named_parameters():  # non-zero B, so the adapters change the output
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.2)
+    engine.enable_activation_checkpointing(policy)
+    policy.train()
+    b = batch_of(policy, tok)
+    want, got = logp_and_grads(policy, b, 0), logp_and_grads(policy, b, 4)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    assert want[2] and all("lora_" in n for n in want[2])
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-5)
+    ref = lora.AdaptersOff(policy)
+    with torch.no_grad():
+        off_plain = grpo.token_logprobs(ref, *inputs(b))
+        off_chunked = grpo.token_logprobs(ref, *inputs(b), chunk=4)
+    torch.testing.assert_close(off_chunked, off_plain, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(off_plain, want[0], atol=1e-3)  # the adapters were really off
+
+
+def test_a_whole_step_with_chunks_lands_on_the_same_weights():
+    """grpo_step with logprob_chunk=5 (policy, π_ref, μ = 2 so π_old is scored too) against the
+    plain one, from the same weights and seed: the same rewards and the same weights after."""
+    tok = tiny_world.char_tokenizer()
+    start = model_for("llama", tok)
+    after = []
+    for chunk in (0, 5):
+        policy = copy.deepcopy(start)
+        cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=8, num_iterations=2, lr=1e-2,
+                              micro_batch_size=5, logprob_chunk=chunk)
+        torch.manual_seed(1)
+        m = grpo.grpo_step(policy, grpo.make_reference(policy), grpo.make_optimizer(policy, cfg),
+                           tok, PROMPTS, [lambda completions, **_: [len(c) % 3 for c in
+                                                                   completions]], cfg)
+        after.append((m, torch.cat([p.detach().flatten() for p in policy.parameters()])))
+    (m0, w0), (m1, w1) = after
+    assert m0["reward"] == m1["reward"]
+    assert not torch.equal(w0, torch.cat([p.flatten() for p in start.parameters()]))
+    torch.testing.assert_close(w1, w0, rtol=1e-4, atol=1e-5)
+    assert m1["kl"] == pytest.approx(m0["kl"], rel=1e-4, abs=1e-8)
+
+
+def test_offloaded_activations_give_the_same_gradients_and_are_really_offloaded(monkeypatch):
+    """Under memory.offloaded(True) the saved tensors go through save_on_cpu's hooks (counted
+    here), with and without gradient checkpointing; the gradients equal the plain ones."""
+    tok = tiny_world.char_tokenizer()
+    packed = []
+    real = torch.autograd.graph.save_on_cpu
+
+    class Counting(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pack = self.pack_hook
+
+            def counted(t):
+                packed.append(t.shape)
+                return pack(t)
+            self.pack_hook = counted
+
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", Counting)
+    for checkpointing in (False, True):
+        model = model_for("llama", tok)
+        if checkpointing:
+            engine.enable_activation_checkpointing(model)
+        model.train()
+        b = batch_of(model, tok)
+        want = logp_and_grads(model, b, 0)
+        packed.clear()
+        with memory.offloaded(True):
+            got = logp_and_grads(model, b, 0)
+        assert len(packed) > 3, checkpointing
+        for name in want[2]:
+            torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-5, atol=1e-7)
+    with memory.offloaded(False):
+        packed.clear()
+        logp_and_grads(model, b, 0)
+    assert packed == []
+
+
+def test_logprob_chunk_must_not_be_negative():
+    with pytest.raises(ValueError, match="logprob_chunk must be >= 0"):
+        grpo.GRPOConfig(logprob_chunk=-1)
