@@ -100,3 +100,21 @@ def refuse_changes(args: dict, saved: dict, may_change: set[str]):
             raise InputError(f"--resume continues a run with the settings it was started with; "
                              f"--{k.replace('_', '-')} was {saved.get(k)!r} there (only {may} may "
                              f"change)")
+
+
+def run(main, commands: dict, argv=None, stopped=()) -> int:
+    """A command line: `commands[argv[0]](argv[1:])` if argv starts with one, else main(argv).
+    Bad input (InputError) prints one line and gives exit code 2; a run that cannot go on
+    (`stopped`, e.g. checkpoint.TrainingStopped) one line and 1; argparse's own exits pass on."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv[:1] and argv[0] in commands:
+            commands[argv[0]](argv[1:])
+        else:
+            main(argv)
+    except (InputError, *((stopped,) if isinstance(stopped, type) else stopped)) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, InputError) else 1
+    except SystemExit as e:  # argparse: --help (0) or a bad flag (2), already printed
+        return e.code if isinstance(e.code, int) else 2
+    return 0

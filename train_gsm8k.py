@@ -37,7 +37,7 @@ import lora
 import memory
 import report
 from checkpoint import TrainingStopped
-from flags import InputError
+from flags import InputError  # noqa: F401 (re-exported: callers catch train_gsm8k.InputError)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -291,19 +291,9 @@ def main(argv=None) -> dict:
 
 
 def cli(argv=None) -> int:
-    """The command line: main, or `summarize DIR...`; bad input: one line on stderr, exit code 2."""
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        if argv[:1] == ["summarize"]:
-            print(report.summarize(argv[1:]))
-        else:
-            main(argv)
-    except (InputError, TrainingStopped) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1 if isinstance(e, TrainingStopped) else 2
-    except SystemExit as e:  # argparse: --help (0) or a bad flag (2), already printed
-        return e.code if isinstance(e.code, int) else 2
-    return 0
+    """The command line: main, or `summarize DIR...` (flags.run: bad input is one line, exit 2)."""
+    return flags.run(main, {"summarize": lambda dirs: print(report.summarize(dirs))}, argv,
+                     stopped=TrainingStopped)
 
 
 if __name__ == "__main__":
