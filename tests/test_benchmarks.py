@@ -66,6 +66,21 @@ def test_profile_parts_add_up_to_the_step():
     assert res["generation"] > 0 and res["train fwd+bwd"] > 0 and res["no-grad log-probs"] > 0
 
 
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux only (VmHWM)")
+def test_memory_parts_add_up_and_lora_needs_no_reference_copy():
+    """The peak is the step's start plus its largest phase; backward holds gradients, so it rises
+    above the step's start; with LoRA the reference costs nothing and AdamW's state is smaller."""
+    full = run("benchmarks/memory_parts.py", "--hidden", "256", "--layers", "4")
+    assert full["peak_over_baseline_mb"] == pytest.approx(
+        full["step_start_mb"] + max(full["phases"].values()))
+    assert full["phases"]["backward"] > 0 and full["peak_phase"] in full["phases"]
+    assert full["trainable"] == full["parameters"]
+    pytest.importorskip("peft")
+    small = run("benchmarks/memory_parts.py", "--hidden", "256", "--layers", "4", "--lora-r", "4")
+    assert small["reference_mb"] < 1 and full["reference_mb"] > 5  # 3.2 M fp32 parameters: 12 MB
+    assert 0 < small["trainable"] < 0.2 * small["parameters"]
+
+
 def test_step_flops_by_hand():
     """A Llama with hidden 8, 1 layer, 2 heads of 4, FFN 16, vocabulary 10: its Linear weights
     (lm_head apart) are 4*8*8 + 3*8*16 = 640, lm_head 10*8 = 80, attention 4*1*8 = 32 a token and

@@ -310,7 +310,8 @@ def test_non_finite_logits_in_training_stop_the_run_with_weights_untouched(tmp_p
                                                                            monkeypatch, capsys):
     """Every training forward pass overflows (as bf16 can); sampling does not. Nothing is ever
     updated."""
-    real_load = train_gsm8k.load_model
+    import tiny_world
+    real_load = tiny_world.load_warm_start
 
     def load_with_overflow(*a, **kw):
         model, tok, name = real_load(*a, **kw)
@@ -325,7 +326,7 @@ def test_non_finite_logits_in_training_stop_the_run_with_weights_untouched(tmp_p
         return model, tok, name
 
     loaded = []
-    monkeypatch.setattr(train_gsm8k, "load_model", load_with_overflow)
+    monkeypatch.setattr(tiny_world, "load_warm_start", load_with_overflow)
     assert train_gsm8k.cli([*RUN_FLAGS, "--steps", "5", "--save-every", "0", "--out",
                             str(tmp_path / "r")]) == 1
     err = capsys.readouterr().err
