@@ -30,6 +30,8 @@ import weakref
 
 import torch
 
+import lora
+
 
 # ----------------------------------------------------------------------------------------------
 # transformers plumbing: version probes, EOS and pad ids
@@ -37,8 +39,7 @@ import torch
 def accepts_logits_to_keep(model) -> bool:
     """Whether forward() can skip computing logits for all but the last positions.
     NOTE: a PEFT model's forward takes **kwargs and hands them on; its base model's decides."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "logits_to_keep" in inspect.signature(base.forward).parameters
+    return "logits_to_keep" in inspect.signature(lora.unwrap(model).forward).parameters
 
 
 def last_logits_only(model, k: int) -> dict:
@@ -332,8 +333,10 @@ def compile_layers(sampler: str, *models) -> int:
     from transformers.modeling_layers import GradientCheckpointingLayer
     if sampler != "compiled":
         return 0
-    layers = [m for model in models if model is not None for m in model.modules()
-              if isinstance(m, GradientCheckpointingLayer)]
+    # WHY a dict: lora.AdaptersOff(policy) as π_ref has the policy's own layers; each is compiled
+    #      once.
+    layers = list({id(m): m for model in models if model is not None for m in model.modules()
+                   if isinstance(m, GradientCheckpointingLayer)}.values())
     for layer in layers:
         layer.compile(dynamic=True)
     return len(layers)

@@ -102,7 +102,7 @@ def refuse_changes(args: dict, saved: dict, may_change: set[str]):
                              f"change)")
 
 
-def run(main, commands: dict, argv=None, stopped=()) -> int:
+def run(main, commands: dict, argv=None, stopped: tuple[type[Exception], ...] = ()) -> int:
     """A command line: `commands[argv[0]](argv[1:])` if argv starts with one, else main(argv).
     Bad input (InputError) prints one line and gives exit code 2; a run that cannot go on
     (`stopped`, e.g. checkpoint.TrainingStopped) one line and 1; argparse's own exits pass on."""
@@ -112,7 +112,7 @@ def run(main, commands: dict, argv=None, stopped=()) -> int:
             commands[argv[0]](argv[1:])
         else:
             main(argv)
-    except (InputError, *((stopped,) if isinstance(stopped, type) else stopped)) as e:
+    except (InputError, *stopped) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, InputError) else 1
     except SystemExit as e:  # argparse: --help (0) or a bad flag (2), already printed

@@ -32,7 +32,7 @@ def backbone_and_head(model):
     """(the transformer without its output layer, the output layer) of a causal LM, PEFT-wrapped
     or not. NOTE: LoRA layers sit inside the backbone's modules, so they run, and switch off,
     as in the full forward."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = lora.unwrap(model)
     return base.base_model, base.get_output_embeddings()
 
 

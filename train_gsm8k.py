@@ -293,7 +293,7 @@ def main(argv=None) -> dict:
 def cli(argv=None) -> int:
     """The command line: main, or `summarize DIR...` (flags.run: bad input is one line, exit 2)."""
     return flags.run(main, {"summarize": lambda dirs: print(report.summarize(dirs))}, argv,
-                     stopped=TrainingStopped)
+                     stopped=(TrainingStopped,))
 
 
 if __name__ == "__main__":

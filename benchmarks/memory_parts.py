@@ -62,6 +62,7 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import engine
     import grpo
+    import lora
     import rewards
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -70,7 +71,6 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
     policy = grpo.disable_dropout(AutoModelForCausalLM.from_pretrained(model_dir,
                                                                        dtype=torch.float32))
     if lora_r:  # as train_gsm8k.py --lora-r does it
-        import lora
         policy = lora.add_adapters(policy, lora_r, 2 * lora_r)
     if gradient_checkpointing:
         engine.enable_activation_checkpointing(policy)
@@ -124,10 +124,9 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
     out["peak_phase"] = max(out["phases"], key=out["phases"].get)
     out["peak_over_baseline_mb"] = out["step_start_mb"] + out["phases"][out["peak_phase"]]
     out["peak_mb"] = out["baseline_mb"] + out["peak_over_baseline_mb"]
-    out["parameters"] = sum(p.numel() for p in policy.parameters())
+    out["trainable"], out["parameters"] = lora.trainable_share(policy)
     out.update(gradient_checkpointing=gradient_checkpointing, logprob_chunk=logprob_chunk,
-               lora_r=lora_r, trainable=sum(p.numel() for p in policy.parameters()
-                                            if p.requires_grad))
+               lora_r=lora_r)
     return out
 
 
