@@ -69,12 +69,13 @@ def char_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
 
 
 def tiny_llama(tokenizer, hidden: int = 64, layers: int = 2, heads: int = 4, ffn: int | None = None,
-               max_positions: int = 512, seed: int = 0) -> LlamaForCausalLM:
+               max_positions: int = 512, seed: int = 0, vocab: int = 0) -> LlamaForCausalLM:
     """A randomly initialised Llama with tied embeddings; hidden=128, layers=4 gives about 1 M
-    parameters."""
+    parameters. vocab: the embedding's rows (0: the tokenizer's; more, for a real vocabulary's
+    memory: the extra rows are never drawn by the tokenizer but are in every softmax)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=ffn or 4 * hidden,
+        vocab_size=vocab or len(tokenizer), hidden_size=hidden, intermediate_size=ffn or 4 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
         max_position_embeddings=max_positions, tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,

@@ -7,14 +7,15 @@ train_gsm8k.py -- train a model with GRPO (grpo.py); show on held-out problems t
     python train_gsm8k.py --help                        # every flag, its default, each preset's
     python train_gsm8k.py --resume runs/tiny-20261202-101500    # continue a killed run
     python train_gsm8k.py summarize runs/a runs/b runs/c        # mean ± std table over runs
+    python train_gsm8k.py plan --model Qwen/Qwen2.5-1.5B --gpu-gb 24 --bf16   # will it fit?
 
 The recipe, top to bottom: presets and config -> data -> model -> loop -> evaluation -> save. It
 measures greedy held-out accuracy, runs --steps GRPO steps, measures again, and writes summary.json,
 metrics.jsonl (every metric, every step), curves.png, samples.jsonl, final/ (the model) and
 checkpoint-<step>/ to --out. Beside it: gsm8k.py (data, prompts, rewards, evaluation), checkpoint.py
 (crash-safe saves, resume), report.py (logs, curves, tables), flags.py (the flags), engine.py (fast
-sampling), memory.py (log-probs in chunks), lora.py (LoRA through PEFT), tiny_world.py (the
-offline model, problems, warm start).
+sampling), memory.py (log-probs in chunks), lora.py (LoRA through PEFT), planner.py (`plan`: what
+fits on a card), tiny_world.py (the offline model, problems, warm start).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ import grpo
 import gsm8k
 import lora
 import memory
+import planner
 import report
-from checkpoint import TrainingStopped
 from flags import InputError  # noqa: F401 (re-exported: callers catch train_gsm8k.InputError)
 
 
@@ -170,10 +171,8 @@ def main(argv=None) -> dict:
         tcfg.compile, gcfg.sampler, tcfg.steps * gcfg.max_new_tokens))
     import torch
     from tqdm.auto import tqdm
-    if tcfg.threads:
-        torch.set_num_threads(tcfg.threads)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = device if tcfg.device == "auto" else tcfg.device
+    torch.set_num_threads(tcfg.threads or torch.get_num_threads())
+    device = {"auto": "cuda" if torch.cuda.is_available() else "cpu"}.get(tcfg.device, tcfg.device)
 
     # Data, and the reward functions tried on it, before any model loads. WHY the extra rows:
     # dynamic sampling tops batches up with fresh prompts (at most this many rounds).
@@ -291,9 +290,10 @@ def main(argv=None) -> dict:
 
 
 def cli(argv=None) -> int:
-    """The command line: main, or `summarize DIR...` (flags.run: bad input is one line, exit 2)."""
-    return flags.run(main, {"summarize": lambda dirs: print(report.summarize(dirs))}, argv,
-                     stopped=(TrainingStopped,))
+    """The command line: main, `summarize DIR...` or `plan ...` (planner.py). Bad input: exit 2."""
+    return flags.run(main, {"summarize": lambda dirs: print(report.summarize(dirs)),
+                            "plan": lambda a: planner.plan_command(a, parse_args)}, argv,
+                     stopped=(checkpoint.TrainingStopped,))
 
 
 if __name__ == "__main__":

@@ -67,6 +67,8 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(model_dir)
+    if lora_r:
+        lora.peft_module()  # WHY: imported before the baseline, so its modules are not "weights"
     out = {"baseline_mb": status_mb("VmRSS")}
     policy = grpo.disable_dropout(AutoModelForCausalLM.from_pretrained(model_dir,
                                                                        dtype=torch.float32))
@@ -127,6 +129,17 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
     out["trainable"], out["parameters"] = lora.trainable_share(policy)
     out.update(gradient_checkpointing=gradient_checkpointing, logprob_chunk=logprob_chunk,
                lora_r=lora_r)
+    # The planner's prediction for the same step (planner.py), from the config alone
+    import planner
+    prompt_tokens = max(len(tok(r["prompt"], add_special_tokens=False)["input_ids"])
+                        for r in rows[prompts:])  # step 2's prompts, padded to the longest
+    settings = planner.StepSettings(
+        group_size=group_size, prompts_per_step=prompts, prompt_tokens=prompt_tokens,
+        max_new_tokens=tokens, micro_batch_size=prompts * group_size, beta=beta,
+        gradient_checkpointing=gradient_checkpointing, logprob_chunk=logprob_chunk, lora_r=lora_r)
+    plan = planner.step_memory(planner.model_shape(lora.unwrap(policy).config), settings)
+    out.update(planned_peak_mb=plan["peak"] / 2**20, planned_phase=plan["peak_phase"],
+               plan_error=out["peak_over_baseline_mb"] / (plan["peak"] / 2**20) - 1)
     return out
 
 
@@ -156,6 +169,8 @@ def main(argv=None):
                         "architecture")
     p.add_argument("--hidden", type=int, default=64, help="llama width (default 64)")
     p.add_argument("--layers", type=int, default=2, help="llama blocks (default 2)")
+    p.add_argument("--vocab", type=int, default=0,
+                   help="llama vocabulary rows (default 0: the character tokenizer's)")
     p.add_argument("--group-size", type=int, default=4, help="G (default 4)")
     p.add_argument("--prompts", type=int, default=2, help="prompts per step (default 2)")
     p.add_argument("--tokens", type=int, default=64,
@@ -169,6 +184,10 @@ def main(argv=None):
     p.add_argument("--lora-r", type=int, default=0,
                    help="LoRA rank, alpha 2r, all linear layers (lora.py; default 0: off)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--plan-check", metavar="SIZES",
+                   help="measure planner.py's prediction against these sizes (comma-separated "
+                        f"names from {', '.join(SIZES)}, or 'all'), each full, LoRA r 16, "
+                        "log-prob chunk 64 and checkpointed; exit 1 if one is off by > 15%%")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # a model dir: measure once, print JSON
     a = p.parse_args(argv)
     if not STATUS.exists():
@@ -178,6 +197,8 @@ def main(argv=None):
     if min(a.logprob_chunk, a.lora_r) < 0:
         p.error("--logprob-chunk and --lora-r must be >= 0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if a.plan_check:
+        return plan_check(a.plan_check, a.threads)
     if a.worker:
         with contextlib.redirect_stdout(sys.stderr):
             res = measure(a.worker, a.group_size, a.prompts, a.tokens, a.threads, a.beta,
@@ -187,7 +208,7 @@ def main(argv=None):
     # WHY a fresh process: building the model here leaves freed memory behind in this one, which
     #      would blur the baseline; the worker only loads the saved model, as a user's run does.
     with tempfile.TemporaryDirectory() as tmp:
-        build_model(Path(tmp), a.hidden, a.layers, 4, a.arch)
+        build_model(Path(tmp), a.hidden, a.layers, 4, a.arch, a.vocab)
         cmd = [sys.executable, __file__, "--worker", tmp, *(argv if argv is not None
                                                                else sys.argv[1:])]
         env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
@@ -201,8 +222,62 @@ def main(argv=None):
                      f"G={a.group_size}, {a.prompts} prompts, {a.tokens} tokens, fp32, "
                      f"gradient checkpointing {'on' if a.gradient_checkpointing else 'off'}, "
                      f"log-prob chunk {a.logprob_chunk or 'off'}, LoRA r {a.lora_r or 'off'}")
+    print(f"planner.py's prediction: {res['planned_peak_mb']:,.0f} MB over the imports "
+          f"({res['planned_phase']}); measured {res['peak_over_baseline_mb']:,.0f} "
+          f"({res['plan_error']:+.1%})")
     print(json.dumps(res))
     return res
+
+
+SIZES = {  # name: this script's flags for it
+    "llama-h256": ["--hidden", "256", "--layers", "4", "--vocab", "32000"],
+    "llama-h1024": ["--hidden", "1024", "--layers", "8", "--vocab", "32000"],
+    "qwen2.5-0.5b": ["--arch", "qwen2.5-0.5b"],
+}
+VARIANTS = {"full": [], "LoRA r 16": ["--lora-r", "16"], "chunk 64": ["--logprob-chunk", "64"],
+            "checkpointed": ["--gradient-checkpointing"]}
+
+
+def plan_check(sizes: str, threads: int) -> list[dict]:
+    """Each size x variant measured (a fresh worker each) against planner.py's prediction; a
+    table, one JSON line, exit 1 if any is off by more than 15%.
+    WHY MALLOC_MMAP_THRESHOLD_: glibc keeps freed blocks under 32 MB for reuse, so RSS keeps
+    memory no tensor holds (docs/memory.md); with blocks over 1 MB given back when freed, RSS
+    follows the live tensors, which is what the planner predicts (and what
+    torch.cuda.max_memory_allocated measures on a GPU)."""
+    names = list(SIZES) if sizes == "all" else [n.strip() for n in sizes.split(",")]
+    unknown = [n for n in names if n not in SIZES]
+    if unknown:
+        raise SystemExit(f"error: --plan-check: unknown size {unknown[0]!r} "
+                         f"(known: {', '.join(SIZES)})")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "1048576"
+    # The runtime's own memory, which no tensor holds (the code from_pretrained and the first
+    # optimizer step load, autograd's threads): measured on a 0.1 M-parameter model, where the
+    # tensors are a few MB, and added to every prediction below. On a GPU it stays in host RAM.
+    with contextlib.redirect_stdout(sys.stderr):
+        tiny = main(["--threads", str(threads)])
+    runtime_mb = tiny["peak_over_baseline_mb"] - tiny["planned_peak_mb"]
+    rows = []
+    for name in names:
+        for variant, extra in VARIANTS.items():
+            with contextlib.redirect_stdout(sys.stderr):
+                res = main([*SIZES[name], *extra, "--threads", str(threads)])
+            planned = res["planned_peak_mb"] + runtime_mb
+            rows.append({"size": name, "variant": variant, "parameters": res["parameters"],
+                         "measured_mb": res["peak_over_baseline_mb"], "planned_mb": planned,
+                         "error": res["peak_over_baseline_mb"] / planned - 1})
+    print(f"runtime memory (a 0.1 M-parameter model's peak over its tensors): {runtime_mb:.0f} MB,"
+          f" added to each plan\n\n| size | variant | measured MB (over the imports) | "
+          f"planned MB | off by |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['size']} ({r['parameters'] / 1e6:.1f} M) | {r['variant']} | "
+              f"{r['measured_mb']:,.0f} | {r['planned_mb']:,.0f} | {r['error']:+.1%} |")
+    worst = max(abs(r["error"]) for r in rows)
+    print(json.dumps({"plan_check": rows, "runtime_mb": runtime_mb, "max_abs_error": worst,
+                      "within_15pct": worst <= 0.15}))
+    if worst > 0.15:
+        raise SystemExit(1)
+    return rows
 
 
 if __name__ == "__main__":

@@ -56,10 +56,11 @@ QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, nu
                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
 
 
-def build_model(path: Path, hidden: int, layers: int, heads: int, arch: str = "llama"):
+def build_model(path: Path, hidden: int, layers: int, heads: int, arch: str = "llama",
+                vocab: int = 0):
     """A random model and the tiny_world character tokenizer, saved where both sides load them from.
-    arch "llama": a tiny_world Llama of the given size; "qwen2.5-0.5b": Qwen2.5-0.5B's exact
-    architecture (hidden, layers and heads are then ignored)."""
+    arch "llama": a tiny_world Llama of the given size (vocab rows; 0: the tokenizer's);
+    "qwen2.5-0.5b": Qwen2.5-0.5B's exact architecture (hidden, layers, heads, vocab ignored)."""
     import tiny_world
     tok = tiny_world.char_tokenizer()
     if arch == "qwen2.5-0.5b":
@@ -73,7 +74,8 @@ def build_model(path: Path, hidden: int, layers: int, heads: int, arch: str = "l
                                              eos_token_id=tok.eos_token_id,
                                              pad_token_id=tok.pad_token_id))
     else:
-        model = tiny_world.tiny_llama(tok, hidden=hidden, layers=layers, heads=heads, seed=0)
+        model = tiny_world.tiny_llama(tok, hidden=hidden, layers=layers, heads=heads, seed=0,
+                                      vocab=vocab)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return sum(p.numel() for p in model.parameters())

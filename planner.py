@@ -1,0 +1,373 @@
+"""
+planner.py -- will a training run fit on a card? Its peak memory, part by part, from the model's
+config alone: no weights are loaded, nothing is downloaded beyond the config.
+
+    python train_gsm8k.py plan --model Qwen/Qwen2.5-1.5B-Instruct --gpu-gb 24 --bf16
+    python train_gsm8k.py plan --model benchmarks/configs/deepseek-math-7b.json --gpu-gb 24 \
+        --bf16 --lora-r 16 --gradient-checkpointing --json
+
+It prints the predicted peak of one GRPO step by part (weights, gradients, AdamW state, the
+reference, autocast's bf16 copies, activations, logits, the sampler's KV cache), the same for PPO
+with a critic the policy's size under the same flags, whether each fits the card, and for one that
+does not, the flags that would make it fit (chosen one at a time, the largest saving first).
+
+How far to trust it: the counts behind each part are written beside it in step_memory, and the
+whole prediction is checked against measured peaks on a CPU (benchmarks/memory_parts.py --plan,
+at three sizes up to Qwen2.5-0.5B's architecture, with and without LoRA and chunking;
+docs/memory.md has the table). On a GPU it is a projection until benchmarks/gpu_check.sh has
+measured it there. Its model is of Llama- and Qwen-style blocks (SwiGLU MLP); for others it is
+an estimate.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+import flags
+from flags import InputError
+
+GiB = 2**30
+CUDA_RESERVE = GiB
+"""Added to the tensors' peak before it is compared with a card: the CUDA context, cuBLAS's
+workspaces and the caching allocator's fragmentation. An allowance, not a measurement."""
+PPO_CRITIC = "PPO + critic"
+
+
+@dataclass
+class ModelShape:
+    """What the planner reads from a model's config: sizes and parameter counts, no weights."""
+
+    params: int                 # every parameter (a tied output layer counted once)
+    linear_params: int          # the weights and biases that nn.Linear layers (lm_head too) use
+    embed_params: int           # the input embedding's
+    head_params: int            # an untied output layer's (0 when tied)
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    block_linears: list[tuple[str, int, int]]  # (name, in, out) of each decoder block's linears
+
+    def lora_params(self, r: int, targets: str) -> int:
+        """Adapter parameters at rank r: r * (in + out) for each targeted linear of every block
+        ('all-linear': all of them, as PEFT does; else the comma-separated names)."""
+        names = None if targets == "all-linear" else {t.strip() for t in targets.split(",")}
+        return self.layers * sum(r * (i + o) for name, i, o in self.block_linears
+                                 if names is None or name in names)
+
+
+def model_shape(config) -> ModelShape:
+    """The shape of the causal LM a transformers config describes. WHY the meta device: the model
+    is built without allocating a single weight, so any architecture transformers knows is
+    counted exactly, at 7B as fast as at 0.5M."""
+    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    blocks = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)
+    linears, seen = [], set()
+    for m in model.modules():
+        if isinstance(m, (torch.nn.Linear, Conv1D)):
+            linears += [p for p in (m.weight, m.bias) if p is not None and id(p) not in seen]
+            seen |= {id(p) for p in (m.weight, m.bias) if p is not None}
+    block = []  # WHY Conv1D: GPT-2's linear layers keep their weight as (in, out)
+    for name, m in blocks[0].named_modules():
+        if isinstance(m, torch.nn.Linear):
+            block.append((name.split(".")[-1], m.in_features, m.out_features))
+        elif isinstance(m, Conv1D):
+            block.append((name.split(".")[-1], *m.weight.shape))
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head = model.get_output_embeddings()
+    return ModelShape(
+        params=sum(p.numel() for p in model.parameters()),
+        linear_params=sum(p.numel() for p in linears),
+        embed_params=model.get_input_embeddings().weight.numel(),
+        head_params=(0 if head.weight is model.get_input_embeddings().weight
+                     else head.weight.numel()),
+        layers=len(blocks), hidden=hidden,
+        ffn=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+        or 4 * hidden,
+        heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or hidden // heads,
+        vocab=config.vocab_size, block_linears=block)
+
+
+@dataclass
+class StepSettings:
+    """The training flags that decide a step's memory (train_gsm8k.py's, by the same names)."""
+
+    group_size: int = 8
+    prompts_per_step: int = 16
+    prompt_tokens: int = 256
+    max_new_tokens: int = 256
+    micro_batch_size: int = 16
+    num_iterations: int = 1
+    beta: float = 0.04
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    logprob_chunk: int = 0
+    offload_activations: bool = False
+    lora_r: int = 0
+    lora_target_modules: str = "all-linear"
+
+
+def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dict:
+    """Predicted memory of one training step in bytes: {"parts": {part: bytes}, "phases": {phase:
+    bytes on top of the persistent parts}, "peak_phase", "peak"}. critic: PPO's same-size value
+    model (its weights, gradients, AdamW state and activations) on top of GRPO's parts.
+
+    The peak is the persistent parts (weights, reference, AdamW state) plus the largest phase:
+        sampling      KV cache of all N = B*G sequences, the last position's logits
+        scoring       π_ref's (and π_old's) no-grad pass over a micro-batch
+        backward      one micro-batch's saved activations and logits' gradients, with the output
+                      layer's gradient (all gradients once a second micro-batch has run)
+        optimizer     every gradient (fused AdamW: no model-sized temporaries)
+    The per-token activation counts were measured on Llama and Qwen2 blocks with autograd's
+    saved-tensor hooks (fp32 and CPU bf16 autocast): docs/memory.md.
+    """
+    h, i, L, V = shape.hidden, shape.ffn, shape.layers, shape.vocab
+    S = s.prompt_tokens + s.max_new_tokens                 # a sequence, prompt and completion
+    N = s.group_size * s.prompts_per_step                  # completions per step
+    n = min(s.micro_batch_size, N)                         # sequences per micro-batch
+    lora_p = shape.lora_params(s.lora_r, s.lora_target_modules) if s.lora_r else 0
+    trainable = lora_p or shape.params
+    base_bytes = 2 if (s.lora_r and s.bf16) else 4        # lora.add_adapters(bf16_base=...)
+    parts = {
+        "weights": shape.params * base_bytes + lora_p * 4,
+        "gradients": trainable * 4,
+        "optimizer": trainable * 8,                        # AdamW: exp_avg, exp_avg_sq in fp32
+        # WHY 0 with LoRA: π_ref is the base, adapters off (lora.AdaptersOff)
+        "reference": 0 if (s.beta == 0 or s.lora_r) else shape.params * (2 if s.bf16 else 4),
+        # NOTE: autocast keeps a bf16 copy of each fp32 weight it casts until the step's end
+        "autocast copies": (2 * (lora_p if s.lora_r else shape.linear_params) if s.bf16 else 0),
+    }
+    # Saved for backward per token and block, in bytes (fitted: fp32 10h + 4i + S + heads + 2
+    # floats; bf16 autocast 34h + 8i + 2S + 2 heads bytes), plus r floats per LoRA adapter.
+    full = (4 * (10 * h + 4 * i + S + shape.heads + 2) if not s.bf16
+            else 34 * h + 8 * i + 2 * S + 2 * shape.heads)
+    full += 4 * s.lora_r * len(shape.block_linears)
+    kept = 4 * h if s.gradient_checkpointing else full     # checkpointing keeps blocks' inputs
+    if s.offload_activations:
+        kept = 0                                           # saved tensors wait in CPU RAM
+    one_block = full if (s.gradient_checkpointing or s.offload_activations) else 0
+    parts["activations"] = n * S * (L * kept + one_block + 10 * h)
+    T = s.max_new_tokens
+    rows = min(s.logprob_chunk, n * T) if s.logprob_chunk else n * T
+    # WHY 3.5 (measured: docs/memory.md): the fp32 logits kept for backward, and the (rows, V)
+    #      gradients of logsumexp, gather and the slice that backward makes, partly at once
+    unit = rows * V * 4
+    head_trainable = not s.lora_r
+    parts["logits"] = 7 * unit // 2 + (2 * n * (T + 1) * V if s.bf16 and not s.logprob_chunk
+                                       else 0)
+    if s.logprob_chunk and head_trainable:
+        parts["logits"] += h * V * 4                       # each chunk's output-layer gradient
+    parts["KV cache"] = 2 * L * shape.kv_heads * shape.head_dim * S * N * (2 if s.bf16 else 4)
+    head_grad = h * V * 4 if head_trainable else 0
+    later = -(-N // n) > 1 or s.num_iterations > 1         # a second micro-batch or epoch
+    train = parts["activations"] + parts["logits"] + (parts["gradients"] if later else head_grad)
+    if critic:  # PPO: a value model the policy's size, a scalar head for the output layer
+        c_params = shape.params - shape.head_params + h
+        c_trainable = lora_p + h if s.lora_r else c_params
+        parts.update({"critic weights": c_params * base_bytes + lora_p * 4,
+                      "critic gradients": c_trainable * 4, "critic optimizer": c_trainable * 8,
+                      "critic autocast copies": parts["autocast copies"],
+                      "critic activations": parts["activations"]})  # the same blocks, no logits
+        # WHY together: PPO trains policy and critic with one backward of their summed losses
+        train += parts["critic activations"] + (parts["critic gradients"] if later else 0)
+    copies = parts["autocast copies"] + parts.get("critic autocast copies", 0)
+    grads = parts["gradients"] + parts.get("critic gradients", 0)
+    phases = {
+        "sampling": parts["KV cache"] + 2 * N * V * 4 + copies,
+        "scoring": 3 * unit + n * S * full + copies,   # logits, their copy, logsumexp's
+        "backward": train + copies,
+        "optimizer": grads + copies,
+    }
+    persistent = sum(parts[k] for k in ("weights", "reference", "optimizer", "critic weights",
+                                        "critic optimizer") if k in parts)
+    peak_phase = max(phases, key=phases.get)
+    return {"parts": parts, "phases": phases, "persistent": persistent, "peak_phase": peak_phase,
+            "peak": persistent + phases[peak_phase]}
+
+
+# ----------------------------------------------------------------------------------------------
+# The verdict, and the flags that would make a run fit
+# ----------------------------------------------------------------------------------------------
+def fits(peak: float, gpu_gb: float) -> bool:
+    """Whether a predicted tensor peak, with CUDA_RESERVE on top, fits a card of gpu_gb GiB."""
+    return peak + CUDA_RESERVE <= gpu_gb * GiB
+
+
+def candidate_changes(s: StepSettings) -> list[tuple[str, dict]]:
+    """Each single change of flags that lowers memory and leaves the math and the data alone:
+    (the flag as typed, {setting: new value})."""
+    n = min(s.micro_batch_size, s.group_size * s.prompts_per_step)
+    return [(flag, change) for flag, change, useful in [
+        ("--lora-r 16", {"lora_r": 16}, not s.lora_r),
+        ("--gradient-checkpointing", {"gradient_checkpointing": True},
+         not s.gradient_checkpointing),
+        ("--bf16", {"bf16": True}, not s.bf16),
+        ("--logprob-chunk 1024", {"logprob_chunk": 1024}, not s.logprob_chunk),
+        (f"--micro-batch-size {max(1, n // 2)}", {"micro_batch_size": max(1, n // 2)}, n > 1),
+        ("--offload-activations", {"offload_activations": True}, not s.offload_activations),
+    ] if useful]
+
+
+def run_changes(s: StepSettings) -> list[tuple[str, dict]]:
+    """The last resort, changes to the run itself: half the prompts per step (down to 1), half
+    the completion length (down to 64 tokens)."""
+    return [(flag, change) for flag, change, useful in [
+        (f"--prompts-per-step {s.prompts_per_step // 2}",
+         {"prompts_per_step": s.prompts_per_step // 2}, s.prompts_per_step > 1),
+        (f"--max-new-tokens {s.max_new_tokens // 2}", {"max_new_tokens": s.max_new_tokens // 2},
+         s.max_new_tokens > 64),
+    ] if useful]
+
+
+def fixes(shape: ModelShape, s: StepSettings, gpu_gb: float, critic: bool) -> list[str] | None:
+    """The flags that make a run fit ([] if it fits as it is, None if nothing here does).
+    Greedy: add the change that lowers the peak most until it fits (run_changes only when no
+    other is left), then drop each flag the others make unnecessary."""
+    peak = lambda changes: step_memory(shape, replace(s, **changes), critic)["peak"]  # noqa: E731
+    chosen: dict[str, tuple[str, dict]] = {}  # setting -> (flag, change); a later halving wins
+    while not fits(peak({k: v for _, c in chosen.values() for k, v in c.items()}), gpu_gb):
+        now = replace(s, **{k: v for _, c in chosen.values() for k, v in c.items()})
+        options = candidate_changes(now) or run_changes(now)
+        if not options:
+            return None
+        best = min(options, key=lambda o: peak({**{k: v for _, c in chosen.values()
+                                                    for k, v in c.items()}, **o[1]}))
+        chosen.update({k: best for k in best[1]})
+    for key in list(chosen):
+        rest = {k: v for name, (_, c) in chosen.items() if name != key for k, v in c.items()}
+        if fits(peak(rest), gpu_gb):
+            del chosen[key]
+    return [flag for flag, _ in chosen.values()]
+
+
+# ----------------------------------------------------------------------------------------------
+# The command: train_gsm8k.py plan
+# ----------------------------------------------------------------------------------------------
+def load_config(name: str):
+    """A transformers config from a hub id, a local model folder or a config.json file."""
+    from transformers import AutoConfig
+    path = Path(name).expanduser()
+    if (path.exists() or name.startswith((".", "/", "~")) or name.endswith(".json")
+            or name.count("/") > 1) and not (path / "config.json").exists() and not path.is_file():
+        raise InputError(f"--model {name}: no config.json there (give a hub id, a model folder "
+                         f"or a config.json file)")
+    try:
+        return AutoConfig.from_pretrained(str(path) if path.exists() else name)
+    except (OSError, ValueError, KeyError) as e:
+        raise InputError(f"--model {name}: cannot read its config: "
+                         f"{str(e).strip().splitlines()[0]}") from None
+
+
+def settings_of(tcfg, gcfg, prompt_tokens: int) -> StepSettings:
+    """StepSettings from train_gsm8k.py's TrainConfig and grpo.GRPOConfig (the same names)."""
+    both = {**asdict(tcfg), **asdict(gcfg)}
+    return StepSettings(prompt_tokens=prompt_tokens, **{
+        k: both[k] for k in StepSettings.__dataclass_fields__ if k != "prompt_tokens"})
+
+
+def plan(shape: ModelShape, s: StepSettings, gpu_gb: float) -> dict:
+    """{method: step_memory(...) with "fits" and "fix" (fixes' flags)} for GRPO and PPO."""
+    out = {}
+    for method, critic in (("GRPO", False), (PPO_CRITIC, True)):
+        res = step_memory(shape, s, critic)
+        res.update(fits=fits(res["peak"], gpu_gb),
+                   fix=fixes(shape, s, gpu_gb, critic))
+        out[method] = res
+    return out
+
+
+def render(name: str, shape: ModelShape, s: StepSettings, gpu_gb: float, res: dict) -> str:
+    """The plan as a table (GiB) and one verdict line per method."""
+    gib = lambda b: f"{b / GiB:.2f}"  # noqa: E731
+    train = "LoRA r %d" % s.lora_r if s.lora_r else "full fine-tuning"
+    lines = [f"Memory plan (projected): {name}, {shape.params / 1e9:.2f} B parameters, {train}, "
+             f"{'bf16 autocast' if s.bf16 else 'fp32'}, gradient checkpointing "
+             f"{'on' if s.gradient_checkpointing else 'off'}, log-prob chunk "
+             f"{s.logprob_chunk or 'off'}; G={s.group_size} x {s.prompts_per_step} prompts, "
+             f"micro-batch {s.micro_batch_size}, {s.prompt_tokens} prompt + {s.max_new_tokens} "
+             f"completion tokens; a {gpu_gb:g} GiB card", "",
+             f"| part (GiB) | GRPO | {PPO_CRITIC} |", "|---|---|---|"]
+    names = list(res[PPO_CRITIC]["parts"])
+    for part in names:
+        lines.append(f"| {part} | {gib(res['GRPO']['parts'].get(part, 0))} | "
+                     f"{gib(res[PPO_CRITIC]['parts'][part])} |")
+    lines.append(f"| **peak** (persistent parts + the {res['GRPO']['peak_phase']} / "
+                 f"{res[PPO_CRITIC]['peak_phase']} phase) | **{gib(res['GRPO']['peak'])}** | "
+                 f"**{gib(res[PPO_CRITIC]['peak'])}** |")
+    lines.append(f"| with the CUDA allowance ({gib(CUDA_RESERVE)}) | "
+                 f"{gib(res['GRPO']['peak'] + CUDA_RESERVE)} | "
+                 f"{gib(res[PPO_CRITIC]['peak'] + CUDA_RESERVE)} |")
+    lines.append("")
+    for method, r in res.items():
+        verdict = "fits" if r["fits"] else "does not fit"
+        fix = ("" if r["fits"] else
+               "; nothing here makes it fit" if r["fix"] is None else
+               f"; it would fit with: {' '.join(r['fix'])}")
+        lines.append(f"{method}: {verdict} on {gpu_gb:g} GiB{fix}")
+    lines.append("(parts are not summed: the peak is the persistent parts plus the largest phase; "
+                 "planner.py says how each is counted)")
+    return "\n".join(lines)
+
+
+def plan_command(argv: list[str], parse_args) -> dict:
+    """`train_gsm8k.py plan [--gpu-gb G] [--prompt-tokens P] [--json] [training flags]`:
+    parse_args is train_gsm8k.parse_args, so the training flags and presets mean what they mean
+    there (an unknown flag is one line, exit 2)."""
+    p = flags.OneLineParser(None, prog="train_gsm8k.py plan", add_help=False,
+                            allow_abbrev=False)
+    p.add_argument("--gpu-gb", type=float, default=24.0)
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("-h", "--help", action="store_true")
+    a, rest = p.parse_known_args(argv)
+    if a.help:
+        print(PLAN_HELP)
+        return {}
+    if not a.gpu_gb > 0:
+        raise InputError(f"--gpu-gb must be > 0 (the card's memory in GiB), got {a.gpu_gb:g}")
+    if a.prompt_tokens < 1:
+        raise InputError(f"--prompt-tokens must be >= 1, got {a.prompt_tokens}")
+    tcfg, gcfg = parse_args(rest)
+    if tcfg.model:
+        name, config = tcfg.model, load_config(tcfg.model)
+    else:  # the tiny world's model, as tiny_world.warm_start builds it
+        import tiny_world
+        ws = tiny_world.WarmStartConfig()
+        name = "the tiny world's model"
+        config = tiny_world.tiny_llama(tiny_world.char_tokenizer(), hidden=ws.hidden,
+                                       layers=ws.layers, heads=ws.heads).config
+    shape, s = model_shape(config), settings_of(tcfg, gcfg, a.prompt_tokens)
+    res = plan(shape, s, a.gpu_gb)
+    out = {"model": name, "gpu_gb": a.gpu_gb, "cuda_reserve_bytes": CUDA_RESERVE,
+           "parameters": shape.params, "settings": asdict(s),
+           **{m: {"parts_bytes": r["parts"], "phases_bytes": r["phases"],
+                  "peak_phase": r["peak_phase"], "total_bytes": r["peak"], "fits": r["fits"],
+                  "flags_to_fit": r["fix"]} for m, r in res.items()}}
+    print(json.dumps(out) if a.json else render(name, shape, s, a.gpu_gb, res))
+    return out
+
+
+PLAN_HELP = """usage: python train_gsm8k.py plan [--gpu-gb G] [--prompt-tokens P] [--json] [flags]
+
+Predict the peak memory of one training step, part by part, for GRPO and for PPO with a critic
+the policy's size, from the model's config alone (no weights), and say whether each fits a card.
+
+  --gpu-gb G          the card's memory in GiB (default 24; a "24 GB" card has 24 GiB)
+  --prompt-tokens P   tokens in a prompt, chat template included (default 256)
+  --json              one JSON object: each part in bytes, the total, the verdict per method
+  flags               any of `python train_gsm8k.py --help`: --model (a hub id, a local folder
+                      or a config.json), --preset, --bf16, --lora-r, --gradient-checkpointing,
+                      --logprob-chunk, --micro-batch-size, --group-size, --prompts-per-step,
+                      --max-new-tokens, --beta, --offload-activations, ...
+A card the plan says fits is a projection: planner.py says how it is counted and how it was
+checked (docs/memory.md)."""
