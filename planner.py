@@ -290,7 +290,8 @@ def render(name: str, shape: ModelShape, s: StepSettings, gpu_gb: float, res: di
     """The plan as a table (GiB) and one verdict line per method."""
     gib = lambda b: f"{b / GiB:.2f}"  # noqa: E731
     train = "LoRA r %d" % s.lora_r if s.lora_r else "full fine-tuning"
-    lines = [f"Memory plan (projected): {name}, {shape.params / 1e9:.2f} B parameters, {train}, "
+    size = (f"{shape.params / 1e9:.2f} B" if shape.params >= 1e9 else f"{shape.params / 1e6:.2f} M")
+    lines = [f"Memory plan (projected): {name}, {size} parameters, {train}, "
              f"{'bf16 autocast' if s.bf16 else 'fp32'}, gradient checkpointing "
              f"{'on' if s.gradient_checkpointing else 'off'}, log-prob chunk "
              f"{s.logprob_chunk or 'off'}; G={s.group_size} x {s.prompts_per_step} prompts, "

@@ -26,7 +26,6 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import checkpoint
@@ -44,7 +43,7 @@ from flags import InputError  # noqa: F401 (re-exported: callers catch train_gsm
 # ----------------------------------------------------------------------------------------------
 # Presets and config: one dataclass for the run; the algorithm's knobs live in grpo.GRPOConfig
 # ----------------------------------------------------------------------------------------------
-@dataclass
+@dataclasses.dataclass
 class TrainConfig:
     """Everything about a run that is not the GRPO algorithm itself."""
 
@@ -125,7 +124,8 @@ PRESETS = {
              system_prompt=gsm8k.GSM8K_SYSTEM_PROMPT), # ask for GSM8K's '####' layout
         dict(group_size=8, lr=1e-6,                    # paper §4.2: lr 1e-6
              max_new_tokens=512,                       # long answers; a short cap zeroes reward
-             micro_batch_size=8),                      # 8 sequences of up to ~700 tokens a pass
+             micro_batch_size=8,                       # 8 sequences of up to ~700 tokens a pass
+             logprob_chunk=1024),                      # logits 1,024 rows at a time: docs/memory.md
     ),
 }
 LOGS = ("metrics.jsonl", "samples.jsonl")  # cut back to the checkpoint's step on --resume

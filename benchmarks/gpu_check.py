@@ -4,6 +4,7 @@ benchmarks/gpu_check.py -- the decoding checks of benchmarks/gpu_check.sh, one J
     python benchmarks/gpu_check.py machine --device cuda   # GPU, torch, transformers, CUDA
     python benchmarks/gpu_check.py tokens --device cuda    # compiled = reference tokens there?
     python benchmarks/gpu_check.py speed --device cuda --arch qwen2.5-0.5b --bf16   # ms a token
+    python benchmarks/gpu_check.py lora-step --device cuda    # 7B + LoRA step, against the plan
 
 tokens: tiny random Llama and Qwen2 models in fp32 on the device. The reference sampler (no KV
     cache), engine.decode and engine.decode_compiled (on CUDA: CUDA graphs) sample from one seed;
@@ -14,6 +15,8 @@ speed: G completions of --tokens forced tokens for --prompts prompts (random wei
     architecture, or a Llama of --hidden x --layers), engine.decode against
     engine.decode_compiled, median of --repeats after one warm-up call each; compile seconds from
     dynamo's timers (engine.compile_seconds).
+lora-step: one GRPO + LoRA step in bf16 at the paper's 7B architecture (random weights), its
+    peak GPU memory against planner.py's prediction.
 Runs on CPU too (gpu_check.sh --dry-run): the same code at toy sizes.
 """
 
@@ -113,9 +116,71 @@ def speed(device: str, arch: str, bf16: bool, group_size: int, prompts: int, n_t
     return res
 
 
+def lora_step(device: str, config_path: str, group_size: int, prompts: int, n_tokens: int,
+              shrink: bool = False) -> dict:
+    """One GRPO + LoRA step (r 16, all linear layers) in bf16 on a random model of the config's
+    architecture (the paper's 7B: benchmarks/configs/deepseek-math-7b.json), with gradient
+    checkpointing and log-probs in chunks of 1,024, and its peak GPU memory (every tensor, weights
+    included: torch.cuda.max_memory_allocated) against planner.py's prediction for the same step.
+    shrink: the same architecture at hidden 64 x 2 blocks (the dry run on a CPU, which reports
+    the plan only)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    import engine
+    import grpo
+    import lora
+    import planner
+    import rewards
+    import tiny_world
+    tok = tiny_world.char_tokenizer()
+    config = AutoConfig.from_pretrained(config_path)
+    if shrink:
+        config.update(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, head_dim=16))
+    config.update(dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                       bos_token_id=tok.bos_token_id))
+    torch_seed(0, device)
+    on_gpu = device.startswith("cuda")
+    t = time.perf_counter()
+    with torch.device(device):  # WHY: built in place, in bf16; no fp32 copy on the host first
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    policy = lora.add_adapters(model, r=16, alpha=32, bf16_base=True)
+    engine.enable_activation_checkpointing(policy)
+    policy.train()
+    cfg = grpo.GRPOConfig(group_size=group_size, max_new_tokens=n_tokens,
+                          min_new_tokens=n_tokens, micro_batch_size=min(8, group_size * prompts),
+                          lr=1e-5, logprob_chunk=1024, sampler="engine")
+    rows = rows_for(prompts)
+    opt = grpo.make_optimizer(policy, cfg)
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats(device)
+    with torch.autocast(device.split(":")[0], dtype=torch.bfloat16):
+        m = grpo.grpo_step(policy, lora.AdaptersOff(policy), opt, tok,
+                           [r["prompt"] for r in rows], [rewards.correctness_reward], cfg,
+                           columns={"answer": [r["answer"] for r in rows]})
+    sync(device)
+    prompt_tokens = max(len(tok(r["prompt"], add_special_tokens=False)["input_ids"])
+                        for r in rows)
+    settings = planner.StepSettings(
+        group_size=group_size, prompts_per_step=prompts, prompt_tokens=prompt_tokens,
+        max_new_tokens=n_tokens, micro_batch_size=cfg.micro_batch_size, bf16=True,
+        gradient_checkpointing=True, logprob_chunk=1024, lora_r=16)
+    plan = planner.step_memory(planner.model_shape(config), settings)
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if on_gpu else None
+    trainable, params = lora.trainable_share(policy)
+    return {"check": "lora-step", "config": config_path, "shrunk": shrink, "device": device,
+            "parameters": params, "trainable": trainable,
+            "work": f"G={group_size} x {prompts} prompts, {prompt_tokens} + {n_tokens} tokens, "
+                    f"micro-batch {cfg.micro_batch_size}, bf16, checkpointing, chunk 1024",
+            "loss_finite": bool(torch.isfinite(torch.tensor(m["loss"]))),
+            "seconds": time.perf_counter() - t, "peak_gpu_mb": peak,
+            "planned_peak_mb": plan["peak"] / 2**20, "planned_phase": plan["peak_phase"],
+            "plan_error": None if peak is None else peak / (plan["peak"] / 2**20) - 1}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-    p.add_argument("check", choices=["machine", "tokens", "speed"])
+    p.add_argument("check", choices=["machine", "tokens", "speed", "lora-step"])
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--arch", choices=["llama", "qwen2.5-0.5b"], default="qwen2.5-0.5b",
                    help="speed: Qwen2.5-0.5B's architecture (default) or a hidden-64 Llama")
@@ -126,6 +191,10 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=4, help="speed: prompts (default 4)")
     p.add_argument("--tokens", type=int, default=128, help="speed: forced tokens (default 128)")
     p.add_argument("--repeats", type=int, default=3, help="speed: timed calls (default 3)")
+    p.add_argument("--config", default="benchmarks/configs/deepseek-math-7b.json",
+                   help="lora-step: the architecture (default: DeepSeekMath-7B's)")
+    p.add_argument("--shrink", action="store_true",
+                   help="lora-step: that architecture at hidden 64 x 2 blocks (the CPU dry run)")
     a = p.parse_args(argv)
     import torch
     if a.device.startswith("cuda") and not torch.cuda.is_available():
@@ -134,6 +203,8 @@ def main(argv=None):
         rows = [machine(a.device)]
     elif a.check == "tokens":
         rows = tokens(a.device)
+    elif a.check == "lora-step":
+        rows = [lora_step(a.device, a.config, a.group_size, a.prompts, a.tokens, a.shrink)]
     else:
         rows = [speed(a.device, a.arch, a.bf16, a.group_size, a.prompts, a.tokens, a.repeats,
                       a.hidden, a.layers)]

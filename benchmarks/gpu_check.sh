@@ -2,10 +2,11 @@
 # benchmarks/gpu_check.sh -- every check that needs a GPU, as one command (about 8 minutes on one).
 #
 #   bash benchmarks/gpu_check.sh              # on a machine with a CUDA GPU
-#   bash benchmarks/gpu_check.sh --dry-run    # the same five steps on this CPU at toy sizes
+#   bash benchmarks/gpu_check.sh --dry-run    # the same seven steps on this CPU at toy sizes
 #
 # Steps (each under its own time limit, so one slow step does not cost the others; every JSON line
-# they print is collected in $OUT/gpu_check.jsonl, default OUT=runs/gpu_check):
+# they print is collected in $OUT/gpu_check.jsonl, default OUT=runs/gpu_check, and all of them in
+# one summary, $OUT/gpu_check.json):
 #   1. the machine: GPU, torch, transformers, CUDA;
 #   2. compiled decoding (CUDA graphs) against the reference sampler, token for token, on tiny
 #      Llama and Qwen2 models in fp32, and whether it fell back;
@@ -14,7 +15,10 @@
 #   4. train_gsm8k.py's Qwen preset end to end (bf16, fused AdamW, gradient checkpointing,
 #      --compile on) for 3 steps on a random Qwen2.5-0.5B-architecture model and tiny-world data,
 #      with its peak GPU memory;
-#   5. benchmarks/vs_trl.py at Qwen2.5-0.5B's architecture, bf16, against TRL.
+#   5. benchmarks/vs_trl.py at Qwen2.5-0.5B's architecture, bf16, G=8, 512 tokens, against TRL;
+#   6. one GRPO + LoRA step in bf16 at the paper's 7B architecture (DeepSeekMath-7B, random
+#      weights), its peak GPU memory against planner.py's prediction;
+#   7. the tiny preset (train_gsm8k.py, the default run) on CUDA for 50 steps.
 # GPU_CHECK_SKIP="5-vs-trl ..." leaves out the steps it names.
 # Offline GPU machines lack TRL (and may hold an older transformers): wheels in .whl/ are installed
 # to /tmp/site first when that folder exists. docs/speed.md gives the pip download line.
@@ -35,11 +39,16 @@ if [ "$DRY" = 1 ]; then
     SPEED=(--group-size 2 --prompts 2 --tokens 8 --repeats 2)
     TRAIN=(--steps 2 --eval-size 4 --prompts-per-step 2 --group-size 2 --max-new-tokens 8)
     TRL=(--steps 3 --warmup 1 --rounds 1 --tokens 4)
+    LORA=(--shrink --group-size 4 --prompts 2 --tokens 8)
+    TINY=(--steps 2 --eval-size 8 --warm-start-steps 20 --prompts-per-step 2 --group-size 2
+          --max-new-tokens 8)
 else
     DEV=cuda ARCH=qwen2.5-0.5b LIMIT=240
     SPEED=(--bf16 --group-size 8 --prompts 4 --tokens 128 --repeats 3)
     TRAIN=(--steps 3 --eval-size 32 --prompts-per-step 4 --group-size 8 --max-new-tokens 128)
-    TRL=(--bf16 --group-size 8 --prompts 2 --tokens 256 --steps 4 --warmup 1 --rounds 1)
+    TRL=(--bf16 --group-size 8 --prompts 2 --tokens 512 --steps 3 --warmup 1 --rounds 1)
+    LORA=(--group-size 8 --prompts 2 --tokens 256)
+    TINY=(--steps 50 --eval-size 100)
 fi
 failed=0
 
@@ -70,6 +79,15 @@ s = train_gsm8k.main(sys.argv[1:]); print(json.dumps({'check': 'qwen-preset', \
     --preset qwen2.5-0.5b --model "$OUT/model" --data tiny --device "$DEV" --compile on \
     --out "$OUT/qwen-preset" "${TRAIN[@]}"
 step 5-vs-trl python3 benchmarks/vs_trl.py --arch "$ARCH" --device "$DEV" "${TRL[@]}"
-rm -rf "$OUT/model" "$OUT/qwen-preset"/checkpoint-* "$OUT/qwen-preset/final"
-echo "all JSON lines: $OUT/gpu_check.jsonl"
+step 6-lora-7b python3 benchmarks/gpu_check.py lora-step --device "$DEV" "${LORA[@]}"
+step 7-tiny-preset python3 -c "import json, sys, train_gsm8k; s = train_gsm8k.main(sys.argv[1:]); \
+print(json.dumps({'check': 'tiny-preset', 'accuracy_before': s['accuracy_before'], \
+'accuracy_after': s['accuracy_after'], 'steps': s['steps'], 'wall_seconds': s['wall_seconds'], \
+'device': s['device']}))" --device "$DEV" --out "$OUT/tiny-preset" "${TINY[@]}"
+rm -rf "$OUT/model" "$OUT"/*-preset/checkpoint-* "$OUT"/*-preset/final
+python3 -c "import json, sys; rows = [json.loads(l) for l in open(sys.argv[1])]; \
+json.dump({'dry_run': sys.argv[3] == '1', 'failed': any(r.get('failed') for r in rows), \
+'checks': rows}, open(sys.argv[2], 'w'), indent=1)" \
+    "$OUT/gpu_check.jsonl" "$OUT/gpu_check.json" "$DRY"
+echo "summary: $OUT/gpu_check.json (each JSON line: $OUT/gpu_check.jsonl)"
 exit "$failed"

@@ -131,7 +131,7 @@ def test_bad_group_size_is_a_one_line_error(script):
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
-    """benchmarks/gpu_check.sh --dry-run: the five GPU checks at toy sizes on this CPU, so the
+    """benchmarks/gpu_check.sh --dry-run: the GPU checks at toy sizes on this CPU, so the
     script a lent GPU runs has run end to end first. Compiled decoding draws the reference
     sampler's tokens here, without falling back; the Qwen preset trains with it on."""
     # WHY skip step 5 (vs_trl.py) here: test_vs_trl_reports_both_sides runs it already.
@@ -152,4 +152,11 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
     assert speed["engine_ms_per_token"] > 0 and speed["compiled_ms_per_token"] > 0
     assert by_check["qwen-preset"][0]["sampler"] == "compiled"
     assert "vs-trl" not in by_check and "5-vs-trl" not in by_check   # skipped, as asked
+    step = by_check["lora-step"][0]
+    assert step["loss_finite"] and step["planned_peak_mb"] > 0 and step["trainable"] > 0
+    assert step["trainable"] < step["parameters"] / 100                  # LoRA: adapters only
+    tiny = by_check["tiny-preset"][0]
+    assert tiny["steps"] == 2 and tiny["device"] == "cpu"
+    summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert summary["dry_run"] and not summary["failed"] and summary["checks"] == rows
     assert not list((tmp_path / "out").glob("model"))
