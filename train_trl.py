@@ -6,6 +6,8 @@ train_trl.py -- the same GSM8K training on TRL's GRPOTrainer: the road past one 
     accelerate launch --num_processes 8 train_trl.py --model Qwen/Qwen2.5-7B-Instruct \\
         --data openai/gsm8k                                                          # 8 devices
     accelerate launch --config_file zero3.yaml train_trl.py ... --use-vllm    # DeepSpeed + vLLM
+    accelerate launch --multi_gpu --num_processes 2 train_trl.py --model M --data tiny --cpu
+                                                 # 2 processes on one CPU (torchrun, gloo): a test
 
 When to switch from train_gsm8k.py: when one device cannot hold the policy, the reference and
 AdamW state, or when generation is the wall and you want vLLM. grpo.py stays the reference for
@@ -97,6 +99,9 @@ def main(argv=None):
                           train_dataset=dataset, processing_class=tokenizer)
     trainer.train()
     trainer.save_model(a.out)
+    if trainer.accelerator.is_main_process:
+        print(f"trained {trainer.state.global_step} steps on {trainer.accelerator.num_processes} "
+              f"process(es); the model is in {a.out}")
     return trainer
 
 
