@@ -360,5 +360,29 @@ def sampler_for(compile_mode: str, sampler: str, decode_steps: int) -> str:
     return "compiled" if on and sampler == "engine" else sampler
 
 
+def in_batches(decode, cfg, pad_id: int):
+    """`decode`, run on at most cfg.sample_batch_size completions at a time (0: all at once):
+    whole prompts' groups while a group fits, else each group in pieces. The pieces' completions
+    are padded with pad_id to the longest and stacked in order, so the rows still come in groups.
+    WHY: the KV cache grows with the rows decoded together; at 7B, 64 completions of 768 tokens
+         hold 24 GB of it (planner.py). NOTE: the draws differ from one batch from the same seed
+         (the random numbers fall to other rows), but each row is drawn from the same policy."""
+    rows = cfg.sample_batch_size
+
+    def batched(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, pick):
+        B, G = prompt_ids.shape[0], group_size
+        if not rows or B * G <= rows:
+            return decode(model, prompt_ids, prompt_mask, G, max_new_tokens, pick)
+        per = max(1, rows // G)                              # whole prompts in one piece
+        pieces = [decode(model, prompt_ids[b:b + per], prompt_mask[b:b + per], g,
+                         max_new_tokens, pick)                                        # (n, T_i)
+                  for b in range(0, B, per)
+                  for g in ([G] if G <= rows else [min(rows, G - k) for k in range(0, G, rows)])]
+        T = max(p.shape[1] for p in pieces)
+        return torch.cat([torch.nn.functional.pad(p, (0, T - p.shape[1]), value=pad_id)
+                          for p in pieces])                                           # (N, T)
+    return batched
+
+
 DECODERS = {"engine": decode, "compiled": decode_compiled}
 """grpo.GRPOConfig.sampler -> decode loop; 'reference' is grpo.reference_decode."""

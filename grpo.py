@@ -160,6 +160,9 @@ class GRPOConfig:
     logprob_chunk: int = 0
     """Score log-probs this many completion tokens at a time (memory.py), never holding a whole
     micro-batch's (n, T, V) logits; the same numbers. 0: all at once (the plain code below)."""
+    sample_batch_size: int = 0
+    """Sample at most this many completions at a time (engine.in_batches), so the KV cache holds
+    only theirs; other draws from the same seed, the same distribution. 0: all N at once."""
 
     def __post_init__(self):
         """Settings that cannot work fail here, at construction, with one line naming the field."""
@@ -177,7 +180,7 @@ class GRPOConfig:
         #       policy_update weights it so the summed gradient equals the full batch's (tested).
         for name, low in [("num_iterations", 1), ("max_new_tokens", 1), ("micro_batch_size", 1),
                           ("beta", 0), ("adv_eps", 0), ("weight_decay", 0),
-                          ("dynamic_sampling", 0), ("logprob_chunk", 0)]:
+                          ("dynamic_sampling", 0), ("logprob_chunk", 0), ("sample_batch_size", 0)]:
             if getattr(self, name) < low:
                 fail(name, f">= {low}")
         for name in ("clip_eps", "clip_eps_high", "temperature", "lr", "max_grad_norm"):
@@ -269,8 +272,7 @@ def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig, gr
     runs the same loop, with argmax in place of the draw.
     group_size overrides cfg.group_size (evaluation samples one completion per prompt).
     """
-    G = cfg.group_size if group_size is None else group_size
-    device = next(model.parameters()).device
+    G, device = (cfg.group_size if group_size is None else group_size), model.device
     # WHY: left padding puts every prompt's last token in the same column, so decoding starts
     #      together.
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
@@ -282,7 +284,7 @@ def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig, gr
                              min_new_tokens=cfg.min_new_tokens, greedy=greedy)
     # NOTE: the fast paths live in engine.py (KV cache, one prefill per prompt, ready masks,
     #       compiled steps) and make exactly the draws of reference_decode above; cfg.sampler picks.
-    decode = engine.DECODERS.get(cfg.sampler, reference_decode)
+    decode = engine.in_batches(engine.DECODERS.get(cfg.sampler, reference_decode), cfg, pad_id)
     was_training = model.training
     model.eval()  # WHY: under gradient checkpointing, train mode turns the KV cache off.
     completion_ids = decode(model, prompt_ids, prompt_mask, G, cfg.max_new_tokens, pick)  # (N, T)

@@ -112,6 +112,7 @@ class StepSettings:
     bf16: bool = False
     gradient_checkpointing: bool = False
     logprob_chunk: int = 0
+    sample_batch_size: int = 0
     offload_activations: bool = False
     lora_r: int = 0
     lora_target_modules: str = "all-linear"
@@ -123,11 +124,13 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
     model (its weights, gradients, AdamW state and activations) on top of GRPO's parts.
 
     The peak is the persistent parts (weights, reference, AdamW state) plus the largest phase:
-        sampling      KV cache of all N = B*G sequences, the last position's logits
+        sampling      KV cache of the sequences decoded together (all N = B*G, or
+                      sample_batch_size), the last position's logits
         scoring       π_ref's (and π_old's) no-grad pass over a micro-batch
         backward      one micro-batch's saved activations and logits' gradients, with the output
                       layer's gradient (all gradients once a second micro-batch has run)
-        optimizer     every gradient (fused AdamW: no model-sized temporaries)
+        optimizer     every gradient (fused AdamW: no model-sized temporaries), and the
+                      embedding's dense gradient as backward ends
     The per-token activation counts were measured on Llama and Qwen2 blocks with autograd's
     saved-tensor hooks (fp32 and CPU bf16 autocast): docs/memory.md.
     """
@@ -167,7 +170,9 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
                                        else 0)
     if s.logprob_chunk and head_trainable:
         parts["logits"] += h * V * 4                       # each chunk's output-layer gradient
-    parts["KV cache"] = 2 * L * shape.kv_heads * shape.head_dim * S * N * (2 if s.bf16 else 4)
+    decoded = min(s.sample_batch_size, N) if s.sample_batch_size else N  # rows sampled at once
+    parts["KV cache"] = 2 * L * shape.kv_heads * shape.head_dim * S * decoded * (2 if s.bf16
+                                                                                 else 4)
     head_grad = h * V * 4 if head_trainable else 0
     later = -(-N // n) > 1 or s.num_iterations > 1         # a second micro-batch or epoch
     train = parts["activations"] + parts["logits"] + (parts["gradients"] if later else head_grad)
@@ -183,10 +188,12 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
     copies = parts["autocast copies"] + parts.get("critic autocast copies", 0)
     grads = parts["gradients"] + parts.get("critic gradients", 0)
     phases = {
-        "sampling": parts["KV cache"] + 2 * N * V * 4 + copies,
+        "sampling": parts["KV cache"] + 2 * decoded * V * 4 + copies,
         "scoring": 3 * unit + n * S * full + copies,   # logits, their copy, logsumexp's
         "backward": train + copies,
-        "optimizer": grads + copies,
+        # NOTE: at backward's end every gradient exists, and the embedding's arrives as a dense
+        #       (V, h) tensor before it is added into its .grad
+        "optimizer": grads + copies + (4 * shape.embed_params if head_trainable else 0),
     }
     persistent = sum(parts[k] for k in ("weights", "reference", "optimizer", "critic weights",
                                         "critic optimizer") if k in parts)
@@ -207,6 +214,8 @@ def candidate_changes(s: StepSettings) -> list[tuple[str, dict]]:
     """Each single change of flags that lowers memory and leaves the math and the data alone:
     (the flag as typed, {setting: new value})."""
     n = min(s.micro_batch_size, s.group_size * s.prompts_per_step)
+    k = min(s.sample_batch_size or s.group_size * s.prompts_per_step,
+            s.group_size * s.prompts_per_step)
     return [(flag, change) for flag, change, useful in [
         ("--lora-r 16", {"lora_r": 16}, not s.lora_r),
         ("--gradient-checkpointing", {"gradient_checkpointing": True},
@@ -215,6 +224,7 @@ def candidate_changes(s: StepSettings) -> list[tuple[str, dict]]:
         ("--logprob-chunk 1024", {"logprob_chunk": 1024}, not s.logprob_chunk),
         (f"--micro-batch-size {max(1, n // 2)}", {"micro_batch_size": max(1, n // 2)}, n > 1),
         ("--offload-activations", {"offload_activations": True}, not s.offload_activations),
+        (f"--sample-batch-size {max(1, k // 2)}", {"sample_batch_size": max(1, k // 2)}, k > 1),
     ] if useful]
 
 

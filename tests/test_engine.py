@@ -380,3 +380,51 @@ def test_compiled_layers_give_the_eager_step_within_float_tolerance(tiny, checkp
     #       gradient is near 0 its rounding shows in the step: allow 1% of one step.
     for k in w_slow:
         torch.testing.assert_close(w_fast[k], w_slow[k], atol=1e-4, rtol=1e-4)
+
+
+# --- sampling in batches (GRPOConfig.sample_batch_size) ------------------------------------------
+@pytest.mark.parametrize("sampler", ["engine", "reference"])
+@pytest.mark.parametrize("rows", [3, 5, 8], ids=["split-groups", "one-group-a-piece", "2-groups"])
+def test_sampling_in_batches_keeps_the_rows_in_their_groups(tiny, sampler, rows, monkeypatch):
+    """sample_batch_size = rows: greedy decoding (every copy of a prompt alike) gives the same
+    completions, masks, truncation flags and ids, pads included, as one batch, although the pieces
+    stop at different lengths (one token made EOS); no decode call gets more than `rows`
+    rows. 3 splits each group of 4 into 3 + 1, 5 holds one group, 8 two groups."""
+    tok, model = tiny
+    first = sample(model, tok, "engine", greedy=True)["completion_ids"]  # one row a prompt
+    # WHY: the 4th token of prompt 0's greedy completion as EOS ends that group early
+    monkeypatch.setattr(model.generation_config, "eos_token_id", [int(first[0, 3])])
+    calls = []
+    real = engine.DECODERS.get(sampler, grpo.reference_decode)
+
+    def spy(model, prompt_ids, prompt_mask, group_size, max_new_tokens, pick):
+        calls.append(prompt_ids.shape[0] * group_size)
+        return real(model, prompt_ids, prompt_mask, group_size, max_new_tokens, pick)
+
+    def greedy(**cfg):
+        config = grpo.GRPOConfig(sampler=sampler, group_size=4, max_new_tokens=24, **cfg)
+        return grpo.sample_completions(model, tok, PROMPTS, config, greedy=True)
+
+    whole = greedy()
+    monkeypatch.setitem(engine.DECODERS, sampler, spy)
+    monkeypatch.setattr(grpo, "reference_decode", spy)
+    pieces = greedy(sample_batch_size=rows)
+    assert max(calls) <= rows and sum(calls) == 12 and len(calls) > 1
+    for key in ("completion_ids", "completion_mask", "truncated", "prompt_ids"):
+        assert torch.equal(pieces[key], whole[key]), key
+    assert pieces["completions"] == whole["completions"]
+    lengths = whole["completion_mask"].sum(1)
+    assert lengths.max() > lengths.min()  # the pieces did end at different lengths
+
+
+def test_sampling_in_batches_draws_from_the_policy(tiny):
+    """Sampled, not greedy: the rows differ from one another, every one is a valid completion
+    (a mask of ones up to its end), and a batch of all N rows is the one-batch path exactly."""
+    tok, model = tiny
+    one = sample(model, tok, "engine")
+    same = sample(model, tok, "engine", sample_batch_size=12)
+    assert torch.equal(one["completion_ids"], same["completion_ids"])
+    split = sample(model, tok, "engine", sample_batch_size=2)
+    assert split["completion_ids"].shape[0] == 12 and len(set(split["completions"])) > 1
+    mask = split["completion_mask"]
+    assert torch.equal(mask, mask.cummin(1).values)  # ones, then zeros: no holes

@@ -40,6 +40,7 @@ def test_parts_by_hand():
     logits: n*T = 24 rows, one unit 24*100*4 = 9,600; 3.5 units = 33,600.
     KV cache: 2 * 2 blocks * 4 heads * 16 * S=16 * N=4 * 4 bytes = 65,536.
     backward = activations + logits + the output layer's gradient (64*100*4 = 25,600) = 963,392.
+    optimizer (backward's end): every gradient and the embedding's dense one, 551,168 + 25,600.
     peak = weights + reference + AdamW (2,204,672) + backward = 3,168,064."""
     shape = planner.model_shape(SMALL)
     assert shape.params == 137_792
@@ -47,7 +48,7 @@ def test_parts_by_hand():
     assert res["parts"] == {"weights": 551_168, "gradients": 551_168, "optimizer": 1_102_336,
                             "reference": 551_168, "autocast copies": 0, "activations": 904_192,
                             "logits": 33_600, "KV cache": 65_536}
-    assert res["phases"]["backward"] == 963_392
+    assert res["phases"]["backward"] == 963_392 and res["phases"]["optimizer"] == 576_768
     assert res["peak_phase"] == "backward" and res["peak"] == 3_168_064
 
 
