@@ -9,11 +9,12 @@ config alone: no weights are loaded, nothing is downloaded beyond the config.
 It prints the predicted peak of one GRPO step by part (weights, gradients, AdamW state, the
 reference, autocast's bf16 copies, activations, logits, the sampler's KV cache), the same for PPO
 with a critic the policy's size under the same flags, whether each fits the card, and for one that
-does not, the flags that would make it fit (chosen one at a time, the largest saving first).
+does not, the flags that would make it fit (added one at a time, the largest saving first, then
+pruned to those still needed).
 
 How far to trust it: the counts behind each part are written beside it in step_memory, and the
-whole prediction is checked against measured peaks on a CPU (benchmarks/memory_parts.py --plan,
-at three sizes up to Qwen2.5-0.5B's architecture, with and without LoRA and chunking;
+whole prediction is checked against measured peaks on a CPU (benchmarks/memory_parts.py
+--plan-check, at three sizes up to Qwen2.5-0.5B's architecture, full, LoRA, chunked, checkpointed;
 docs/memory.md has the table). On a GPU it is a projection until benchmarks/gpu_check.sh has
 measured it there. Its model is of Llama- and Qwen-style blocks (SwiGLU MLP); for others it is
 an estimate.
@@ -71,11 +72,8 @@ def model_shape(config) -> ModelShape:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     blocks = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len)
-    linears, seen = [], set()
-    for m in model.modules():
-        if isinstance(m, (torch.nn.Linear, Conv1D)):
-            linears += [p for p in (m.weight, m.bias) if p is not None and id(p) not in seen]
-            seen |= {id(p) for p in (m.weight, m.bias) if p is not None}
+    linear = {id(p): p.numel() for m in model.modules() if isinstance(m, (torch.nn.Linear, Conv1D))
+              for p in (m.weight, m.bias) if p is not None}  # WHY by id: a tied weight counts once
     block = []  # WHY Conv1D: GPT-2's linear layers keep their weight as (in, out)
     for name, m in blocks[0].named_modules():
         if isinstance(m, torch.nn.Linear):
@@ -86,7 +84,7 @@ def model_shape(config) -> ModelShape:
     head = model.get_output_embeddings()
     return ModelShape(
         params=sum(p.numel() for p in model.parameters()),
-        linear_params=sum(p.numel() for p in linears),
+        linear_params=sum(linear.values()),
         embed_params=model.get_input_embeddings().weight.numel(),
         head_params=(0 if head.weight is model.get_input_embeddings().weight
                      else head.weight.numel()),
@@ -150,8 +148,8 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
         # NOTE: autocast keeps a bf16 copy of each fp32 weight it casts until the step's end
         "autocast copies": (2 * (lora_p if s.lora_r else shape.linear_params) if s.bf16 else 0),
     }
-    # Saved for backward per token and block, in bytes (fitted: fp32 10h + 4i + S + heads + 2
-    # floats; bf16 autocast 34h + 8i + 2S + 2 heads bytes), plus r floats per LoRA adapter.
+    # NOTE: saved for backward per token and block, in bytes (fitted: fp32 10h + 4i + S + heads
+    #       + 2 floats; bf16 autocast 34h + 8i + 2S + 2 heads bytes), + r floats per LoRA adapter.
     full = (4 * (10 * h + 4 * i + S + shape.heads + 2) if not s.bf16
             else 34 * h + 8 * i + 2 * S + 2 * shape.heads)
     full += 4 * s.lora_r * len(shape.block_linears)
@@ -176,7 +174,7 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
     head_grad = h * V * 4 if head_trainable else 0
     later = -(-N // n) > 1 or s.num_iterations > 1         # a second micro-batch or epoch
     train = parts["activations"] + parts["logits"] + (parts["gradients"] if later else head_grad)
-    if critic:  # PPO: a value model the policy's size, a scalar head for the output layer
+    if critic:  # NOTE: PPO: a value model the policy's size, a scalar head for the output layer
         c_params = shape.params - shape.head_params + h
         c_trainable = lora_p + h if s.lora_r else c_params
         parts.update({"critic weights": c_params * base_bytes + lora_p * 4,

@@ -147,8 +147,8 @@ def parse_args(argv=None) -> tuple[TrainConfig, grpo.GRPOConfig]:
     parser = flags.flag_parser(
         [(TrainConfig, train_over, "run"), (grpo.GRPOConfig, grpo_over, "GRPO (grpo.GRPOConfig)")],
         PRESETS, choices={"preset": list(PRESETS), "compile": ["auto", "on", "off"]},
-        description="Train a causal LM with GRPO on GSM8K-style problems and report held-out "
-                    "accuracy before and after. Defaults follow --preset; any flag overrides it.")
+        description="Train a causal LM with GRPO and report held-out accuracy before and after; "
+                    "flags override --preset. Also: `plan --help` (fits a GPU?), `summarize DIRS`.")
     args = vars(parser.parse_args(argv))
     if state:
         flags.refuse_changes(args, {**grpo_over, **train_over}, RESUME_MAY_CHANGE)

@@ -66,11 +66,16 @@ def main(argv=None):
           f"autocast (fp32 master weights and AdamW state; a LoRA base in bf16), gradient "
           f"checkpointing, log-probs in chunks of 1,024, beta 0.04; a card fits a run if the peak "
           f"plus {planner.CUDA_RESERVE / planner.GiB:.0f} GiB for CUDA fits it.\n")
-    print("| model | method | peak (GiB) | " + " | ".join(f"{gb} GB" for gb in CARDS) + " |")
-    print("|---|---|---|" + "---|" * len(CARDS))
-    for r in rows:
-        marks = " | ".join("fits" if r["fits"][gb] else "no" for gb in CARDS)
-        print(f"| {r['model']} | {r['method']} | {r['peak_bytes'] / planner.GiB:.1f} | {marks} |")
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    print("| model | " + " | ".join(methods) + " |\n|---|" + "---|" * len(methods))
+    for name in MODELS:
+        cells = []
+        for r in (r for r in rows if r["model"] == name):
+            cards = [f"{gb}" for gb in CARDS if r["fits"][gb]]
+            cells.append(f"{r['peak_bytes'] / planner.GiB:.1f}: "
+                         + (", ".join(cards) if cards else "none"))
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print(f"\n(peak GiB: the cards of {', '.join(map(str, CARDS))} GB it fits)")
     print(json.dumps({"settings": asdict(s), "rows": rows}))
     return rows
 
