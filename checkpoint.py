@@ -127,6 +127,14 @@ def load_checkpoint(ckpt: Path, device: str, cfg: grpo.GRPOConfig, base=None):
     return policy, optimizer, json.loads((ckpt / "state.json").read_text())
 
 
+def new_state(model_name: str, refill_cursor: int) -> dict:
+    """A fresh run's state, the part of a checkpoint that is not weights or AdamW: the step, the
+    evaluations so far [(step, accuracy)], the wall time, the bad-step counters, the model's name,
+    and where dynamic sampling takes its next fresh prompt."""
+    return {"step": 0, "evals": [], "wall_seconds": 0.0, "bad_in_a_row": 0,
+            "skipped_updates": 0, "model": model_name, "refill_cursor": refill_cursor}
+
+
 def resume(run_dir: Path, device: str, cfg: grpo.GRPOConfig, logs: list[str], base=None):
     """(policy, optimizer, state) of a run's newest checkpoint, with the partial saves a kill left
     removed and each JSONL log in `logs` cut back to the checkpoint's step."""

@@ -102,6 +102,11 @@ def columns_of(rows: list[dict]) -> dict:
     return {"answer": [r["answer"] for r in rows], "question": [r["question"] for r in rows]}
 
 
+def prompts_and_columns(tokenizer, rows: list[dict], system_prompt: str = "") -> tuple[list, dict]:
+    """(the prompt strings of `rows`, their columns): what grpo.grpo_step takes for them."""
+    return [make_prompt(tokenizer, r["question"], system_prompt) for r in rows], columns_of(rows)
+
+
 # ----------------------------------------------------------------------------------------------
 # Rewards, checked up front
 # ----------------------------------------------------------------------------------------------

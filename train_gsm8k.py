@@ -12,17 +12,14 @@ train_gsm8k.py -- train a model with GRPO (grpo.py); show on held-out problems t
 The recipe, top to bottom: presets and config -> data -> model -> loop -> evaluation -> save. It
 measures greedy held-out accuracy, runs --steps GRPO steps, measures again, and writes summary.json,
 metrics.jsonl (every metric, every step), curves.png, samples.jsonl, final/ (the model) and
-checkpoint-<step>/ to --out. Beside it: gsm8k.py (data, prompts, rewards, evaluation), checkpoint.py
-(crash-safe saves, resume), report.py (logs, curves, tables), flags.py (the flags), engine.py (fast
-sampling), memory.py (log-probs in chunks), lora.py (LoRA through PEFT), planner.py (`plan`: what
-fits on a card), tiny_world.py (the offline model, problems, warm start).
+checkpoint-<step>/ to --out. Beside it: gsm8k.py, checkpoint.py, report.py, flags.py, engine.py,
+memory.py, lora.py, planner.py and tiny_world.py (the README's file list says what each holds).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import random
 import sys
 import time
@@ -87,6 +84,11 @@ class TrainConfig:
     """Tiny world only: supervised steps of the warm start (a cached checkpoint per setting)."""
     warm_start_seed: int = 0
     """Tiny world only: seed of the warm start. Fixed, so every --seed starts from one model."""
+    eval_every: int = 0
+    """Every this many steps, greedy accuracy on the first --eval-batch-size held-out problems
+    (one batch; curves.png, --report-to). 0: only before and after. Presets set it."""
+    report_to: str = "none"
+    """Also log every metric to 'tensorboard' (out/tensorboard) or 'wandb' (WANDB_MODE=offline)."""
     sample_every: int = 10
     """Every this many steps, write a few completions with their rewards to samples.jsonl."""
     save_every: int = 20
@@ -102,7 +104,8 @@ class TrainConfig:
         """Settings that cannot work fail here, with one line naming the field."""
         for name, low in [("steps", 0), ("prompts_per_step", 1), ("eval_size", 1), ("threads", 0),
                           ("eval_batch_size", 1), ("sample_every", 1), ("save_every", 0),
-                          ("max_bad_steps", 1), ("lora_r", 0), ("lora_alpha", 1e-9)]:
+                          ("max_bad_steps", 1), ("lora_r", 0), ("lora_alpha", 1e-9),
+                          ("eval_every", 0)]:
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
 
@@ -110,7 +113,8 @@ class TrainConfig:
 # Each preset: (TrainConfig overrides, GRPOConfig overrides), each override with its reason.
 PRESETS = {
     "tiny": (
-        dict(model="", data="tiny", device="cpu"),     # all offline, built by tiny_world.py
+        dict(model="", data="tiny", device="cpu",      # all offline, built by tiny_world.py
+             eval_every=10),                           # 6 points on the accuracy curve
         dict(group_size=8,                             # paper: 64; 8 x 16 prompts is one CPU batch
              lr=1e-4,                                  # probe: 3e-4 and up drifted, lost accuracy
              max_new_tokens=96,                        # the longest tiny-world solution: 66 chars
@@ -120,7 +124,7 @@ PRESETS = {
         dict(model="Qwen/Qwen2.5-0.5B-Instruct", data="openai/gsm8k",
              prompts_per_step=8, steps=200, eval_batch_size=64,
              bf16=True, gradient_checkpointing=True,   # fits a 24 GB card, fp32 AdamW state
-             save_every=50,                            # a checkpoint is ~6 GB (weights + AdamW)
+             save_every=50, eval_every=25,             # a checkpoint is ~6 GB (weights + AdamW)
              system_prompt=gsm8k.GSM8K_SYSTEM_PROMPT), # ask for GSM8K's '####' layout
         dict(group_size=8, lr=1e-6,                    # paper §4.2: lr 1e-6
              max_new_tokens=512,                       # long answers; a short cap zeroes reward
@@ -128,7 +132,6 @@ PRESETS = {
              logprob_chunk=1024),                      # logits 1,024 rows at a time: docs/memory.md
     ),
 }
-LOGS = ("metrics.jsonl", "samples.jsonl")  # cut back to the checkpoint's step on --resume
 # With --resume, the run keeps its settings; only these may change (none alters the math).
 RESUME_MAY_CHANGE = {"resume", "steps", "save_every", "sample_every", "threads", "device",
                      "eval_batch_size", "max_bad_steps", "compile", "sampler"}
@@ -146,7 +149,8 @@ def parse_args(argv=None) -> tuple[TrainConfig, grpo.GRPOConfig]:
                              else PRESETS.get(known.preset, ({}, {})))
     parser = flags.flag_parser(
         [(TrainConfig, train_over, "run"), (grpo.GRPOConfig, grpo_over, "GRPO (grpo.GRPOConfig)")],
-        PRESETS, choices={"preset": list(PRESETS), "compile": ["auto", "on", "off"]},
+        PRESETS, choices={"preset": list(PRESETS), "compile": ["auto", "on", "off"],
+                          "report_to": list(report.REPORT_TO)},
         description="Train a causal LM with GRPO and report held-out accuracy before and after; "
                     "flags override --preset. Also: `plan --help` (fits a GPU?), `summarize DIRS`.")
     args = vars(parser.parse_args(argv))
@@ -202,18 +206,15 @@ def main(argv=None) -> dict:
     out = Path(tcfg.resume or tcfg.out or f"runs/{tcfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     if tcfg.resume:  # WHY: LoRA's checkpoints hold adapters only; they load into the policy
         base, policy = (policy if tcfg.lora_r else None), None
-        policy, optimizer, state = checkpoint.resume(out, device, gcfg, LOGS, base)
-        tqdm.write(f"resuming {out} from checkpoint-{state['step']:06d} "
-                   f"(step {state['step']} of {tcfg.steps})")
+        policy, optimizer, state = checkpoint.resume(out, device, gcfg, report.LOGS, base)
+        tqdm.write(f"resuming {out} from its checkpoint of step {state['step']} of {tcfg.steps}")
     else:
         optimizer = grpo.make_optimizer(policy, gcfg)
-        state = {"step": 0, "evals": [], "wall_seconds": 0.0, "bad_in_a_row": 0,
-                 "skipped_updates": 0, "model": model_name,
-                 "refill_cursor": tcfg.steps * tcfg.prompts_per_step}
+        state = checkpoint.new_state(model_name, tcfg.steps * tcfg.prompts_per_step)
         out.mkdir(parents=True, exist_ok=True)
-        for name in LOGS:
-            (out / name).write_text("")
     state.update(train_config=dataclasses.asdict(tcfg), grpo_config=dataclasses.asdict(gcfg))
+    log = report.RunLog(out, not tcfg.resume, tcfg.report_to,
+                        {**state["train_config"], **state["grpo_config"]}, gcfg.num_iterations)
     if tcfg.gradient_checkpointing:
         engine.enable_activation_checkpointing(policy)
     policy.train()
@@ -223,9 +224,9 @@ def main(argv=None) -> dict:
     tqdm.write(f"model: {model_name} ({n_params:.2f} M parameters) on {device}; data: {tcfg.data} "
                f"({len(train_rows)} train, {len(eval_rows)} held out); out: {out}")
 
-    def evaluate(desc):
+    def evaluate(desc, rows=eval_rows):
         with autocast:
-            return gsm8k.evaluate(policy, tokenizer, eval_rows, gcfg, tcfg.system_prompt,
+            return gsm8k.evaluate(policy, tokenizer, rows, gcfg, tcfg.system_prompt,
                                   tcfg.eval_batch_size, desc=desc)
 
     t_start = time.perf_counter() - state["wall_seconds"]
@@ -239,31 +240,28 @@ def main(argv=None) -> dict:
     #      the same problems first. A file's rows are shuffled with the seed.
     order = (list(range(len(train_rows))) if tcfg.data == "tiny"
              else random.Random(tcfg.seed).sample(range(len(train_rows)), len(train_rows)))
-    metrics_log = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-    def prompts_and_columns(rows):
-        return ([gsm8k.make_prompt(tokenizer, r["question"], tcfg.system_prompt) for r in rows],
-                gsm8k.columns_of(rows))
 
     def more_prompts(k):
         """Dynamic sampling: k fresh prompts from rows no regular step uses (cycling at the end)."""
         picked = [train_rows[order[(state["refill_cursor"] + i) % len(order)]] for i in range(k)]
         state["refill_cursor"] += k
-        return prompts_and_columns(picked)
+        return gsm8k.prompts_and_columns(tokenizer, picked, tcfg.system_prompt)
 
     bar = tqdm(range(state["step"] + 1, tcfg.steps + 1), desc="GRPO", unit="step",
                initial=state["step"], total=tcfg.steps)
     for step in bar:
         B = tcfg.prompts_per_step
         rows = [train_rows[order[(i + (step - 1) * B) % len(order)]] for i in range(B)]
-        prompts, columns = prompts_and_columns(rows)
+        prompts, columns = gsm8k.prompts_and_columns(tokenizer, rows, tcfg.system_prompt)
         with autocast, memory.offloaded(tcfg.offload_activations):
             m = grpo.grpo_step(policy, ref, optimizer, tokenizer, prompts, reward_funcs, gcfg,
                                columns=columns, return_samples=True, more_prompts=more_prompts)
         samples = m.pop("samples")
         m = {"step": step, **m}
-        metrics_log.append(m)
-        report.log_step(out, bar, m, samples, tcfg.steps, tcfg.sample_every, gcfg.group_size)
+        log.step(bar, m, samples, tcfg.steps, tcfg.sample_every, gcfg.group_size)
+        if tcfg.eval_every and step % tcfg.eval_every == 0 and step < tcfg.steps:
+            state["evals"].append((step, evaluate("eval", eval_rows[:tcfg.eval_batch_size])))
+            log.evaluation(step, state["evals"][-1][1], time.perf_counter() - t_start)
 
         checkpoint.count_bad_step(state, m["skipped_updates"], tcfg.max_bad_steps, out, step)
         state["step"] = step
@@ -275,15 +273,17 @@ def main(argv=None) -> dict:
     wall = time.perf_counter() - t_start
     # NOTE: with LoRA, final/ holds the merged model (a plain one); checkpoints hold the adapters.
     checkpoint.save_pretrained_atomic(lora.merged(policy), tokenizer, out / "final")
-    report.plot_curves(metrics_log, state["evals"] + [(tcfg.steps, acc_after)], out / "curves.png")
-    summary = {
-        "accuracy_before": acc_before, "accuracy_after": acc_after,
-        "accuracy_gain": acc_after - acc_before, "steps": tcfg.steps, "wall_seconds": wall,
-        "model": state["model"], "data": tcfg.data, "eval_size": len(eval_rows), "device": device,
-        "torch_threads": torch.get_num_threads(), "skipped_updates": state["skipped_updates"],
-        "command_seconds": time.perf_counter() - t_command,  # this process (since resuming)
-        "train_config": dataclasses.asdict(tcfg), "grpo_config": dataclasses.asdict(gcfg),
-    }
+    log.evaluation(tcfg.steps, acc_after, wall)
+    log.close()
+    report.plot_curves(log.metrics, state["evals"] + [(tcfg.steps, acc_after)], out / "curves.png",
+                       len(eval_rows), min(len(eval_rows), tcfg.eval_batch_size))
+    summary = {"accuracy_before": acc_before, "accuracy_after": acc_after,
+               "accuracy_gain": acc_after - acc_before, "steps": tcfg.steps, "wall_seconds": wall,
+               "model": state["model"], "data": tcfg.data, "eval_size": len(eval_rows),
+               "device": device, "torch_threads": torch.get_num_threads(), "evals": state["evals"],
+               "skipped_updates": state["skipped_updates"],
+               "command_seconds": time.perf_counter() - t_command,  # this process (since resuming)
+               "train_config": dataclasses.asdict(tcfg), "grpo_config": dataclasses.asdict(gcfg)}
     checkpoint.write_json_atomic(out / "summary.json", summary)
     print(report.results_table(summary, out))
     return summary
