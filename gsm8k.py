@@ -152,3 +152,94 @@ def evaluate(model, tokenizer, rows: list[dict], cfg: grpo.GRPOConfig, system_pr
             )
         )
     return correct / max(1, len(rows))
+
+
+# ----------------------------------------------------------------------------------------------
+# train_gsm8k.py eval: greedy accuracy, Maj@K and Pass@K of a model on held-out problems
+# ----------------------------------------------------------------------------------------------
+def maj_and_pass(completions: list[str], row: dict, prompt: str = "") -> tuple[bool, bool]:
+    """Over K sampled completions of one problem: (is the most common final answer right (Maj@K),
+    is any completion right (Pass@K)). Answers are read as correctness_reward reads them; a
+    completion with no answer does not vote, and a tie goes to the answer drawn first.
+
+    Example, gold 5: answers 5, 3, 5, none -> (True, True); 3, 3, 5 -> (False, True);
+    3, 5 -> (False, True), the tie going to 3."""
+    from collections import Counter
+    answers = [rewards.extract_answer(rewards.without_echo(c, prompt, row["question"]))
+               for c in completions]
+    gold = rewards.gold_answer(row["answer"])
+    votes = Counter(a for a in answers if a is not None)  # NOTE: first drawn first, on ties
+    return bool(votes) and votes.most_common(1)[0][0] == gold, gold in answers
+
+
+def resolve_model(name: str) -> str:
+    """A run's --out folder means its final/ model; a LoRA checkpoint holds adapters only."""
+    path = Path(name).expanduser()
+    if (path / "final" / "config.json").exists():
+        return str(path / "final")
+    if (path / "adapter_config.json").exists():
+        raise InputError(f"--model {name} is a LoRA checkpoint (adapters only): evaluate its run's "
+                         f"final/ folder, the merged model")
+    return name
+
+
+def eval_command(argv: list[str]) -> dict:
+    """`python train_gsm8k.py eval --model M [--data D] [--k 8] [--limit N] ...`: greedy accuracy,
+    Maj@K and Pass@K on D's held-out problems, with a progress bar; --json for one JSON line."""
+    import torch
+    from tqdm.auto import tqdm
+
+    import checkpoint
+    import flags
+    p = flags.OneLineParser(None, prog="train_gsm8k.py eval", description=(
+        "Greedy accuracy, Maj@K (majority vote of K samples) and Pass@K (any of K right) on "
+        "held-out problems, checked as training checks them (rewards.correctness_reward)."))
+    p.add_argument("--model", required=True,
+                   help="a hub id, a model folder, or a run's --out folder (its final/)")
+    p.add_argument("--data", default="openai/gsm8k",
+                   help="'openai/gsm8k' (default: its test split), a folder with test.jsonl, "
+                        "or 'tiny' (with --limit)")
+    p.add_argument("--k", type=int, default=8, help="samples per problem for Maj@K, Pass@K (8)")
+    p.add_argument("--limit", type=int, default=0, help="the first N problems (0, default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="completion cap (512)")
+    p.add_argument("--temperature", type=float, default=1.0, help="for the K samples (1.0)")
+    p.add_argument("--batch-size", type=int, default=64, help="sequences per batch (64)")
+    p.add_argument("--system-prompt", default=GSM8K_SYSTEM_PROMPT,
+                   help="system message for chat models (default: the training one)")
+    p.add_argument("--seed", type=int, default=0, help="for the samples (0)")
+    p.add_argument("--device", default="auto", help="auto (cuda if there is one), cpu, cuda")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    a = p.parse_args(argv)
+    for name, low in [("k", 1), ("limit", 0), ("max_new_tokens", 1), ("batch_size", 1)]:
+        if getattr(a, name) < low:
+            raise InputError(f"--{name.replace('_', '-')} must be >= {low}, "
+                             f"got {getattr(a, name)}")
+    if not a.temperature > 0:
+        raise InputError(f"--temperature must be > 0, got {a.temperature}")
+    if a.data == "tiny" and not a.limit:
+        raise InputError("--data tiny generates its problems: give --limit N")
+    _, rows = load_data(a.data, a.limit or 10**9, n_train=0, seed=0)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+    model, tokenizer = checkpoint.load_pretrained(resolve_model(a.model), a.model)
+    model = grpo.disable_dropout(model).to(device).eval()
+    cfg = grpo.GRPOConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature)
+    greedy = evaluate(model, tokenizer, rows, cfg, a.system_prompt, a.batch_size, desc="greedy")
+    torch.manual_seed(a.seed)
+    maj = pas = 0
+    per = max(1, a.batch_size // a.k)  # problems per sampling batch
+    for i in tqdm(range(0, len(rows), per), desc=f"{a.k} samples each", unit="batch"):
+        chunk = rows[i:i + per]
+        prompts = [make_prompt(tokenizer, r["question"], a.system_prompt) for r in chunk]
+        out = grpo.sample_completions(model, tokenizer, prompts, cfg, group_size=a.k)
+        for j, (r, prompt) in enumerate(zip(chunk, prompts)):
+            m, s = maj_and_pass(out["completions"][j * a.k:(j + 1) * a.k], r, prompt)
+            maj, pas = maj + m, pas + s
+    res = {"model": a.model, "data": a.data, "problems": len(rows), "k": a.k,
+           "temperature": a.temperature, "max_new_tokens": a.max_new_tokens,
+           "greedy_accuracy": greedy, f"maj@{a.k}": maj / len(rows), f"pass@{a.k}": pas / len(rows)}
+    print(json.dumps(res) if a.json else
+          f"{a.model} on {a.data} ({len(rows)} held-out problems; K = {a.k} samples at temperature "
+          f"{a.temperature:g}, up to {a.max_new_tokens} tokens)\n\n| metric | % |\n|---|---|\n"
+          f"| greedy accuracy | {100 * greedy:.1f} |\n| Maj@{a.k} | {100 * maj / len(rows):.1f} |\n"
+          f"| Pass@{a.k} | {100 * pas / len(rows):.1f} |")
+    return res

@@ -24,7 +24,7 @@ class RunLog:
     (a few completions every --sample-every steps), the progress bar and one line, --report-to,
     and the health warnings. `metrics` holds every step so far (a resumed run's too)."""
 
-    def __init__(self, out: Path, fresh: bool, report_to: str, config: dict,
+    def __init__(self, out: Path, fresh: bool, report_to: str, state: dict,
                  num_iterations: int = 1):
         self.out = out
         if fresh:
@@ -32,7 +32,7 @@ class RunLog:
                 (out / name).write_text("")
         self.metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text()
                         .splitlines()]
-        self.reporter = Reporter(report_to, out, config)
+        self.reporter = Reporter(report_to, out, {**state["train_config"], **state["grpo_config"]})
         self.health = Health(num_iterations)
 
     def step(self, bar, m: dict, samples: list[dict], steps: int, sample_every: int,

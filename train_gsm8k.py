@@ -4,9 +4,9 @@ train_gsm8k.py -- train a model with GRPO (grpo.py); show on held-out problems t
     python train_gsm8k.py                               # tiny world, CPU, no network
     python train_gsm8k.py --preset qwen2.5-0.5b         # Qwen2.5-0.5B-Instruct on GSM8K, one GPU
     python train_gsm8k.py --preset qwen2.5-0.5b --data ../shared/data/gsm8k    # GSM8K, local JSONL
-    python train_gsm8k.py --help                        # every flag, its default, each preset's
     python train_gsm8k.py --resume runs/tiny-20261202-101500    # continue a killed run
     python train_gsm8k.py summarize runs/a runs/b runs/c        # mean ± std table over runs
+    python train_gsm8k.py eval --model runs/a --k 8     # greedy, Maj@8, Pass@8 (each: --help)
     python train_gsm8k.py plan --model Qwen/Qwen2.5-1.5B --gpu-gb 24 --bf16   # will it fit?
 
 The recipe, top to bottom: presets and config -> data -> model -> loop -> evaluation -> save. It
@@ -134,7 +134,8 @@ PRESETS = {
 }
 # With --resume, the run keeps its settings; only these may change (none alters the math).
 RESUME_MAY_CHANGE = {"resume", "steps", "save_every", "sample_every", "threads", "device",
-                     "eval_batch_size", "max_bad_steps", "compile", "sampler"}
+                     "eval_batch_size", "max_bad_steps", "compile", "sampler", "eval_every",
+                     "report_to"}
 
 
 def parse_args(argv=None) -> tuple[TrainConfig, grpo.GRPOConfig]:
@@ -213,8 +214,7 @@ def main(argv=None) -> dict:
         state = checkpoint.new_state(model_name, tcfg.steps * tcfg.prompts_per_step)
         out.mkdir(parents=True, exist_ok=True)
     state.update(train_config=dataclasses.asdict(tcfg), grpo_config=dataclasses.asdict(gcfg))
-    log = report.RunLog(out, not tcfg.resume, tcfg.report_to,
-                        {**state["train_config"], **state["grpo_config"]}, gcfg.num_iterations)
+    log = report.RunLog(out, not tcfg.resume, tcfg.report_to, state, gcfg.num_iterations)
     if tcfg.gradient_checkpointing:
         engine.enable_activation_checkpointing(policy)
     policy.train()
@@ -290,10 +290,10 @@ def main(argv=None) -> dict:
 
 
 def cli(argv=None) -> int:
-    """The command line: main, `summarize DIR...` or `plan ...` (planner.py). Bad input: exit 2."""
-    return flags.run(main, {"summarize": lambda dirs: print(report.summarize(dirs)),
-                            "plan": lambda a: planner.plan_command(a, parse_args)}, argv,
-                     stopped=(checkpoint.TrainingStopped,))
+    """The command line: main, `summarize DIR...`, `eval ...` or `plan ...`. Bad input: exit 2."""
+    commands = {"summarize": lambda dirs: print(report.summarize(dirs)), "eval": gsm8k.eval_command,
+                "plan": lambda a: planner.plan_command(a, parse_args)}
+    return flags.run(main, commands, argv, stopped=(checkpoint.TrainingStopped,))
 
 
 if __name__ == "__main__":

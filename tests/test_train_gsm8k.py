@@ -348,3 +348,46 @@ def test_a_broken_reward_function_fails_before_any_model_loads(tmp_path, cache, 
     assert expected in err and len(err.strip().splitlines()) == 1
     assert not cache.exists() and not (tmp_path / "r").exists()
 
+
+
+# --- train_gsm8k.py eval: greedy accuracy, Maj@K, Pass@K -----------------------------------------
+def test_maj_and_pass_by_hand():
+    """Gold 5: answers 5, 3, 5, none -> Maj right, Pass right; 3, 3, 5 -> Maj wrong, Pass right;
+    a 3-5 tie goes to 3, drawn first; no answer at all -> both wrong."""
+    row = {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}
+    assert gsm8k.maj_and_pass(["#### 5", "#### 3", "so #### 5", "no idea"], row) == (True, True)
+    assert gsm8k.maj_and_pass(["#### 3", "#### 3", "#### 5"], row) == (False, True)
+    assert gsm8k.maj_and_pass(["#### 3", "#### 5"], row) == (False, True)
+    assert gsm8k.maj_and_pass(["#### 5", "#### 3"], row) == (True, True)
+    assert gsm8k.maj_and_pass(["hmm", "no"], row) == (False, False)
+
+
+def test_eval_of_a_run_folder_matches_its_own_final_evaluation(tmp_path, cache, capsys):
+    """`eval --model <a run's --out>` loads its final/; on the same 6 held-out problems and token
+    cap, its greedy accuracy is the run's own accuracy_after, and Pass@K >= Maj@K."""
+    out = tmp_path / "run"
+    summary = train_gsm8k.main([*TINY_FLAGS, "--out", str(out)])
+    capsys.readouterr()
+    assert train_gsm8k.cli(["eval", "--model", str(out), "--data", "tiny", "--limit", "6",
+                            "--k", "4", "--max-new-tokens", "20", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["problems"] == 6 and res["greedy_accuracy"] == summary["accuracy_after"]
+    assert 0 <= res["maj@4"] <= res["pass@4"] <= 1
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--k", "0", "--model", "x"], "--k must be >= 1"),
+    (["--data", "tiny"], "the following arguments are required: --model"),
+    (["--model", "x", "--data", "tiny"], "give --limit N"),
+    (["--model", "/no/such/model", "--data", "tiny", "--limit", "2"], "does not exist"),
+], ids=["k-0", "no-model", "tiny-no-limit", "missing-model"])
+def test_bad_eval_input_is_one_line(argv, says, capsys):
+    assert train_gsm8k.cli(["eval", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1, err
+
+
+def test_eval_refuses_a_lora_checkpoint_with_the_way_out(tmp_path):
+    (tmp_path / "adapter_config.json").write_text("{}")
+    with pytest.raises(train_gsm8k.InputError, match="final/"):
+        gsm8k.resolve_model(str(tmp_path))
