@@ -135,13 +135,18 @@ def new_state(model_name: str, refill_cursor: int) -> dict:
             "skipped_updates": 0, "model": model_name, "refill_cursor": refill_cursor}
 
 
-def resume(run_dir: Path, device: str, cfg: grpo.GRPOConfig, logs: list[str], base=None):
+def resume(run_dir: Path, device: str, cfg: grpo.GRPOConfig, logs: list[str], base=None,
+           log=None):
     """(policy, optimizer, state) of a run's newest checkpoint, with the partial saves a kill left
-    removed and each JSONL log in `logs` cut back to the checkpoint's step."""
+    removed and each JSONL log in `logs` cut back to the checkpoint's step; says so with `log`
+    (default: tqdm.write, which keeps a progress bar intact)."""
+    from tqdm.auto import tqdm
     remove_partial_saves(run_dir)
-    policy, optimizer, state = load_checkpoint(latest_checkpoint(run_dir), device, cfg, base)
+    ckpt = latest_checkpoint(run_dir)
+    policy, optimizer, state = load_checkpoint(ckpt, device, cfg, base)
     for name in logs:
         keep_lines_up_to(run_dir / name, state["step"])
+    (log or tqdm.write)(f"resuming {run_dir} from {ckpt.name} (step {state['step']})")
     return policy, optimizer, state
 
 

@@ -90,10 +90,12 @@ def pad_token_id(model, tokenizer) -> int:
     return pad if pad is not None else eos_token_ids(model, tokenizer)[0]
 
 
-def enable_activation_checkpointing(model):
+def enable_activation_checkpointing(model, enabled: bool = True):
     """Recompute activations in backward to save memory, and turn the training forward's KV cache
-    off. NOTE: transformers 5 renamed gradient_checkpointing_enable to
+    off (nothing when not enabled). NOTE: transformers 5 renamed gradient_checkpointing_enable to
     activation_checkpointing_enable; 4.x has the old name only."""
+    if not enabled:
+        return
     enable = getattr(model, "activation_checkpointing_enable", None)
     (enable or model.gradient_checkpointing_enable)()
     model.config.use_cache = False

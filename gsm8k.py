@@ -32,6 +32,20 @@ DEFAULT_REWARD_WEIGHTS = [1.0, 0.0]
 # PAPER §4.1.3: process supervision rewards each calculator step and the final answer.
 PROCESS_REWARD_FUNCS = [rewards.calculator_process_reward]
 
+R1_TEMPLATE = (
+    "A conversation between User and Assistant. The User asks a question, and the Assistant "
+    "solves it. The Assistant first thinks about the reasoning process in the mind and then "
+    "provides the User with the answer. The reasoning process and answer are enclosed within "
+    "<think> </think> and <answer> </answer> tags, respectively, i.e., <think> reasoning process "
+    "here </think> <answer> answer here </answer>. User: {question} Assistant:")
+"""DeepSeek-R1-Zero's template (arXiv 2501.12948, Table 1), the prompt is the whole text: no chat
+template, as R1-Zero trained a base model. {question} is the problem."""
+TEMPLATES = ("plain", "r1")
+# PAPER (R1-Zero): an accuracy reward and a format reward. Our choice of 0.5 for the format: less
+# than a right answer, so a well-formed wrong one never outscores a right one.
+R1_REWARD_FUNCS = [rewards.correctness_reward, rewards.r1_format_reward]
+R1_REWARD_WEIGHTS = [1.0, 0.5]
+
 
 # ----------------------------------------------------------------------------------------------
 # Data
@@ -88,8 +102,11 @@ def load_data(
     raise InputError(f"--data {data!r} is not 'tiny', 'openai/gsm8k' or an existing directory")
 
 
-def make_prompt(tokenizer, question: str, system_prompt: str = "") -> str:
-    """The chat template if the tokenizer has one (instruct models); else the question and "\n"."""
+def make_prompt(tokenizer, question: str, system_prompt: str = "", template: str = "plain") -> str:
+    """The chat template if the tokenizer has one (instruct models); else the question and "\n".
+    template "r1": R1_TEMPLATE around the question, with no chat template or system prompt."""
+    if template == "r1":
+        return R1_TEMPLATE.format(question=question.strip())
     if getattr(tokenizer, "chat_template", None):
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
             {"role": "user", "content": question}]
@@ -102,17 +119,27 @@ def columns_of(rows: list[dict]) -> dict:
     return {"answer": [r["answer"] for r in rows], "question": [r["question"] for r in rows]}
 
 
-def prompts_and_columns(tokenizer, rows: list[dict], system_prompt: str = "") -> tuple[list, dict]:
+def prompts_and_columns(tokenizer, rows: list[dict], system_prompt: str = "",
+                        template: str = "plain") -> tuple[list, dict]:
     """(the prompt strings of `rows`, their columns): what grpo.grpo_step takes for them."""
-    return [make_prompt(tokenizer, r["question"], system_prompt) for r in rows], columns_of(rows)
+    return ([make_prompt(tokenizer, r["question"], system_prompt, template) for r in rows],
+            columns_of(rows))
 
 
 # ----------------------------------------------------------------------------------------------
 # Rewards, checked up front
 # ----------------------------------------------------------------------------------------------
-def reward_funcs_for(supervision: str) -> list:
-    """The reward functions a run optimises: outcome checkers, or the calculator's step rewards."""
-    return PROCESS_REWARD_FUNCS if supervision == "process" else REWARD_FUNCS
+def reward_funcs_for(supervision: str, template: str = "plain") -> list:
+    """The reward functions a run optimises: outcome checkers (with R1's format reward under
+    template "r1"), or the calculator's step rewards."""
+    if supervision == "process":
+        return PROCESS_REWARD_FUNCS
+    return R1_REWARD_FUNCS if template == "r1" else REWARD_FUNCS
+
+
+def default_reward_weights(template: str = "plain") -> list[float]:
+    """The weights of reward_funcs_for's outcome functions when --reward-weights is not given."""
+    return R1_REWARD_WEIGHTS if template == "r1" else DEFAULT_REWARD_WEIGHTS
 
 
 def check_reward_funcs(funcs, rows: list[dict], cfg: grpo.GRPOConfig):
@@ -135,13 +162,13 @@ def check_reward_funcs(funcs, rows: list[dict], cfg: grpo.GRPOConfig):
 # Evaluation: greedy accuracy with the same answer checker as training
 # ----------------------------------------------------------------------------------------------
 def evaluate(model, tokenizer, rows: list[dict], cfg: grpo.GRPOConfig, system_prompt: str = "",
-             batch_size: int = 100, desc: str = "eval") -> float:
+             batch_size: int = 100, desc: str = "eval", template: str = "plain") -> float:
     """Share of `rows` whose greedy completion (cfg's max_new_tokens) has the right final answer."""
     from tqdm.auto import tqdm
     correct = 0.0
     for i in tqdm(range(0, len(rows), batch_size), desc=desc, leave=False, unit="batch"):
         chunk = rows[i:i + batch_size]
-        prompts = [make_prompt(tokenizer, r["question"], system_prompt) for r in chunk]
+        prompts = [make_prompt(tokenizer, r["question"], system_prompt, template) for r in chunk]
         out = grpo.sample_completions(model, tokenizer, prompts, cfg, greedy=True, group_size=1)
         correct += sum(
             rewards.correctness_reward(
@@ -206,6 +233,8 @@ def eval_command(argv: list[str]) -> dict:
     p.add_argument("--batch-size", type=int, default=64, help="sequences per batch (64)")
     p.add_argument("--system-prompt", default=GSM8K_SYSTEM_PROMPT,
                    help="system message for chat models (default: the training one)")
+    p.add_argument("--template", choices=TEMPLATES, default="plain",
+                   help="the prompt the model was trained with (plain, default, or r1)")
     p.add_argument("--seed", type=int, default=0, help="for the samples (0)")
     p.add_argument("--device", default="auto", help="auto (cuda if there is one), cpu, cuda")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -223,19 +252,21 @@ def eval_command(argv: list[str]) -> dict:
     model, tokenizer = checkpoint.load_pretrained(resolve_model(a.model), a.model)
     model = grpo.disable_dropout(model).to(device).eval()
     cfg = grpo.GRPOConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature)
-    greedy = evaluate(model, tokenizer, rows, cfg, a.system_prompt, a.batch_size, desc="greedy")
+    greedy = evaluate(model, tokenizer, rows, cfg, a.system_prompt, a.batch_size, "greedy",
+                      a.template)
     torch.manual_seed(a.seed)
     maj = pas = 0
     per = max(1, a.batch_size // a.k)  # problems per sampling batch
     for i in tqdm(range(0, len(rows), per), desc=f"{a.k} samples each", unit="batch"):
         chunk = rows[i:i + per]
-        prompts = [make_prompt(tokenizer, r["question"], a.system_prompt) for r in chunk]
+        prompts = [make_prompt(tokenizer, r["question"], a.system_prompt, a.template)
+                   for r in chunk]
         out = grpo.sample_completions(model, tokenizer, prompts, cfg, group_size=a.k)
         for j, (r, prompt) in enumerate(zip(chunk, prompts)):
             m, s = maj_and_pass(out["completions"][j * a.k:(j + 1) * a.k], r, prompt)
             maj, pas = maj + m, pas + s
     res = {"model": a.model, "data": a.data, "problems": len(rows), "k": a.k,
-           "temperature": a.temperature, "max_new_tokens": a.max_new_tokens,
+           "template": a.template, "temperature": a.temperature, "max_new_tokens": a.max_new_tokens,
            "greedy_accuracy": greedy, f"maj@{a.k}": maj / len(rows), f"pass@{a.k}": pas / len(rows)}
     print(json.dumps(res) if a.json else
           f"{a.model} on {a.data} ({len(rows)} held-out problems; K = {a.k} samples at temperature "

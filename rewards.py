@@ -208,6 +208,30 @@ def format_reward(completions, **kwargs) -> list[float]:
     return out
 
 
+_R1_TAGS = re.compile(r"</?(?:think|answer)>")
+_R1_LAYOUT = re.compile(r"<think>(.*?)</think>\s*<answer>(.*?)</answer>", re.S)
+
+
+def r1_format_reward(completions, **kwargs) -> list[float]:
+    """1.0 where the completion is DeepSeek-R1's layout and nothing else: one `<think>...</think>`
+    block with some reasoning in it, then one `<answer>...</answer>` block holding exactly one
+    number, with only white space around them.
+
+    Hardened as the answer checker is: a second block, a tag nested or out of order, an empty
+    block, text after `</answer>` or before `<think>`, or a text over MAX_CHARS earns 0, so
+    spamming tags never pays (tests/test_rewards.py)."""
+    out = []
+    for c in completions:
+        text = completion_text(c).strip()
+        # WHY this order: the cheap checks first, so the pattern only ever sees four tags
+        ok = (len(text) <= MAX_CHARS
+              and _R1_TAGS.findall(text) == ["<think>", "</think>", "<answer>", "</answer>"]
+              and (whole := _R1_LAYOUT.fullmatch(text)) is not None
+              and whole.group(1).strip() != "" and _only_number(whole.group(2)) is not None)
+        out.append(1.0 if ok else 0.0)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # Calculator annotations: GSM8K marks each step's arithmetic as <<48/2=24>>
 # ----------------------------------------------------------------------------------------------

@@ -12,8 +12,7 @@ train_gsm8k.py -- train a model with GRPO (grpo.py); show on held-out problems t
 The recipe, top to bottom: presets and config -> data -> model -> loop -> evaluation -> save. It
 measures greedy held-out accuracy, runs --steps GRPO steps, measures again, and writes summary.json,
 metrics.jsonl (every metric, every step), curves.png, samples.jsonl, final/ (the model) and
-checkpoint-<step>/ to --out. Beside it: gsm8k.py, checkpoint.py, report.py, flags.py, engine.py,
-memory.py, lora.py, planner.py and tiny_world.py (the README's file list says what each holds).
+checkpoint-<step>/ to --out. Its helpers sit beside it; the README's file list says which is which.
 """
 
 from __future__ import annotations
@@ -78,6 +77,8 @@ class TrainConfig:
     """torch.compile for sampling and layers: on, off, auto (on where it pays: docs/speed.md)."""
     system_prompt: str = ""
     """System message for models with a chat template; empty for none."""
+    template: str = "plain"
+    """'r1': DeepSeek-R1-Zero's <think>/<answer> prompt (gsm8k.R1_TEMPLATE) and format reward."""
     threads: int = 0
     """CPU threads for torch (0: torch's default). Set it when timing."""
     warm_start_steps: int = 800
@@ -151,7 +152,7 @@ def parse_args(argv=None) -> tuple[TrainConfig, grpo.GRPOConfig]:
     parser = flags.flag_parser(
         [(TrainConfig, train_over, "run"), (grpo.GRPOConfig, grpo_over, "GRPO (grpo.GRPOConfig)")],
         PRESETS, choices={"preset": list(PRESETS), "compile": ["auto", "on", "off"],
-                          "report_to": list(report.REPORT_TO)},
+                          "report_to": list(report.REPORT_TO), "template": list(gsm8k.TEMPLATES)},
         description="Train a causal LM with GRPO and report held-out accuracy before and after; "
                     "flags override --preset. Also: `plan --help` (fits a GPU?), `summarize DIRS`.")
     args = vars(parser.parse_args(argv))
@@ -171,7 +172,7 @@ def parse_args(argv=None) -> tuple[TrainConfig, grpo.GRPOConfig]:
 def main(argv=None) -> dict:
     t_command = time.perf_counter()  # WHY: the whole command, warm-start build included
     tcfg, gcfg = parse_args(argv)
-    weights = gsm8k.DEFAULT_REWARD_WEIGHTS if gcfg.reward_weights is None else gcfg.reward_weights
+    weights = gcfg.reward_weights or gsm8k.default_reward_weights(tcfg.template)
     gcfg = dataclasses.replace(gcfg, reward_weights=weights, sampler=engine.sampler_for(
         tcfg.compile, gcfg.sampler, tcfg.steps * gcfg.max_new_tokens))
     import torch
@@ -183,7 +184,7 @@ def main(argv=None) -> dict:
     # dynamic sampling tops batches up with fresh prompts (at most this many rounds).
     n_train = tcfg.steps * tcfg.prompts_per_step * (1 + gcfg.dynamic_sampling)
     train_rows, eval_rows = gsm8k.load_data(tcfg.data, tcfg.eval_size, n_train, seed=tcfg.seed)
-    reward_funcs = gsm8k.reward_funcs_for(gcfg.supervision)
+    reward_funcs = gsm8k.reward_funcs_for(gcfg.supervision, tcfg.template)
     gsm8k.check_reward_funcs(reward_funcs, train_rows[:2], gcfg)
 
     # Model: the policy, the frozen reference, AdamW (or all of a checkpoint's state).
@@ -208,15 +209,13 @@ def main(argv=None) -> dict:
     if tcfg.resume:  # WHY: LoRA's checkpoints hold adapters only; they load into the policy
         base, policy = (policy if tcfg.lora_r else None), None
         policy, optimizer, state = checkpoint.resume(out, device, gcfg, report.LOGS, base)
-        tqdm.write(f"resuming {out} from its checkpoint of step {state['step']} of {tcfg.steps}")
     else:
         optimizer = grpo.make_optimizer(policy, gcfg)
         state = checkpoint.new_state(model_name, tcfg.steps * tcfg.prompts_per_step)
         out.mkdir(parents=True, exist_ok=True)
     state.update(train_config=dataclasses.asdict(tcfg), grpo_config=dataclasses.asdict(gcfg))
     log = report.RunLog(out, not tcfg.resume, tcfg.report_to, state, gcfg.num_iterations)
-    if tcfg.gradient_checkpointing:
-        engine.enable_activation_checkpointing(policy)
+    engine.enable_activation_checkpointing(policy, tcfg.gradient_checkpointing)
     policy.train()
     engine.compile_layers(gcfg.sampler, policy, ref)  # with compiled decoding: the layers too
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=tcfg.bf16)
@@ -227,7 +226,7 @@ def main(argv=None) -> dict:
     def evaluate(desc, rows=eval_rows):
         with autocast:
             return gsm8k.evaluate(policy, tokenizer, rows, gcfg, tcfg.system_prompt,
-                                  tcfg.eval_batch_size, desc=desc)
+                                  tcfg.eval_batch_size, desc, tcfg.template)
 
     t_start = time.perf_counter() - state["wall_seconds"]
     if not state["evals"]:
@@ -245,14 +244,15 @@ def main(argv=None) -> dict:
         """Dynamic sampling: k fresh prompts from rows no regular step uses (cycling at the end)."""
         picked = [train_rows[order[(state["refill_cursor"] + i) % len(order)]] for i in range(k)]
         state["refill_cursor"] += k
-        return gsm8k.prompts_and_columns(tokenizer, picked, tcfg.system_prompt)
+        return gsm8k.prompts_and_columns(tokenizer, picked, tcfg.system_prompt, tcfg.template)
 
     bar = tqdm(range(state["step"] + 1, tcfg.steps + 1), desc="GRPO", unit="step",
                initial=state["step"], total=tcfg.steps)
     for step in bar:
         B = tcfg.prompts_per_step
         rows = [train_rows[order[(i + (step - 1) * B) % len(order)]] for i in range(B)]
-        prompts, columns = gsm8k.prompts_and_columns(tokenizer, rows, tcfg.system_prompt)
+        prompts, columns = gsm8k.prompts_and_columns(tokenizer, rows, tcfg.system_prompt,
+                                                     tcfg.template)
         with autocast, memory.offloaded(tcfg.offload_activations):
             m = grpo.grpo_step(policy, ref, optimizer, tokenizer, prompts, reward_funcs, gcfg,
                                columns=columns, return_samples=True, more_prompts=more_prompts)

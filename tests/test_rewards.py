@@ -267,3 +267,41 @@ def test_calculator_process_reward_hand_worked():
 ])
 def test_annotation_is_right(expression, stated, right):
     assert annotation_is_right(expression, stated) is right
+
+
+# (completion, r1_format_reward, why): DeepSeek-R1's layout, and the ways to game it
+R1_CASES = [
+    ("<think>48/2 = 24, and 48 + 24 = 72</think><answer>72</answer>", 1.0, "the layout"),
+    ("  <think>\n24 then 72\n</think>\n\n<answer> 72 </answer>\n", 1.0, "white space around"),
+    ("<think>ok</think><answer>$1,234.50</answer>", 1.0, "one number, as the checker reads it"),
+    ("<answer>72</answer><think>why</think>", 0.0, "answer before thinking"),
+    ("<think></think><answer>72</answer>", 0.0, "an empty think block"),
+    ("<think>  </think><answer>72</answer>", 0.0, "a blank think block"),
+    ("<think>a</think><answer></answer>", 0.0, "an empty answer"),
+    ("<think>a</think><answer>72 or 73</answer>", 0.0, "two numbers in the answer"),
+    ("<think>a</think><answer>seventy-two</answer>", 0.0, "no number in the answer"),
+    ("<think>a</think><answer>72</answer> so 72", 0.0, "text after the answer"),
+    ("So: <think>a</think><answer>72</answer>", 0.0, "text before thinking"),
+    ("<think>a</think><think>b</think><answer>72</answer>", 0.0, "two think blocks"),
+    ("<think>a</think><answer>72</answer><answer>72</answer>", 0.0, "two answer blocks"),
+    ("<think>a<answer>72</answer></think><answer>72</answer>", 0.0, "an answer inside the think"),
+    ("<think><think>a</think></think><answer>72</answer>", 0.0, "nested think"),
+    ("<think>a</think><answer>72", 0.0, "the answer never closed"),
+    ("<think>a<answer>72</answer>", 0.0, "the think never closed"),
+    ("72", 0.0, "no tags"),
+    ("#### 72", 0.0, "GSM8K's layout is not R1's"),
+    ("<think>" + "a" * 20_000 + "</think><answer>72</answer>", 0.0, "over MAX_CHARS"),
+    ("<think>a</think><answer>72</answer>" * 300, 0.0, "tag spam"),
+]
+
+
+@pytest.mark.parametrize("completion, expected, why", R1_CASES, ids=[c[2] for c in R1_CASES])
+def test_r1_format_reward(completion, expected, why):
+    from rewards import r1_format_reward
+    assert r1_format_reward([completion]) == [expected], why
+
+
+def test_r1_answers_are_read_by_the_correctness_checker():
+    """Under --template r1 the correctness reward reads the <answer> block, once."""
+    assert correctness_reward(["<think>48 then 24</think><answer>72</answer>"], [GOLD_72]) == [1.0]
+    assert correctness_reward(["<think>72</think><answer>70</answer>"], [GOLD_72]) == [0.0]

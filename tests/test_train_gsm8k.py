@@ -391,3 +391,18 @@ def test_eval_refuses_a_lora_checkpoint_with_the_way_out(tmp_path):
     (tmp_path / "adapter_config.json").write_text("{}")
     with pytest.raises(train_gsm8k.InputError, match="final/"):
         gsm8k.resolve_model(str(tmp_path))
+
+
+def test_r1_template_trains_on_the_tiny_world(tmp_path, cache):
+    """--template r1: the prompts are R1-Zero's template around the question, the optimised
+    rewards are correctness and r1_format_reward (weights 1 and 0.5), and the run completes."""
+    out = tmp_path / "r1"
+    summary = train_gsm8k.main([*TINY_FLAGS, "--template", "r1", "--out", str(out)])
+    assert summary["grpo_config"]["reward_weights"] == [1.0, 0.5]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all("rewards/r1_format_reward" in m and "rewards/correctness_reward" in m
+               for m in metrics)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples[0]["prompt"].startswith("A conversation between User and Assistant.")
+    assert samples[0]["prompt"].endswith("Assistant:")
+    assert train_gsm8k.cli(["--template", "r2"]) == 2
