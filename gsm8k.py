@@ -97,7 +97,12 @@ def load_data(
         except ImportError:
             raise InputError("--data openai/gsm8k needs `pip install datasets`, "
                              "or pass a directory with train.jsonl and test.jsonl") from None
-        ds = datasets.load_dataset("openai/gsm8k", "main")
+        try:
+            ds = datasets.load_dataset("openai/gsm8k", "main")
+        except OSError as e:  # WHY: no network, or offline mode: ConnectionError is an OSError
+            raise InputError(f"--data openai/gsm8k: cannot load it from the hub "
+                             f"({str(e).strip().splitlines()[0][:120]}); pass a folder with "
+                             f"train.jsonl and test.jsonl instead") from None
         return [dict(r) for r in ds["train"]], [dict(r) for r in ds["test"]][:eval_size]
     raise InputError(f"--data {data!r} is not 'tiny', 'openai/gsm8k' or an existing directory")
 

@@ -406,3 +406,16 @@ def test_r1_template_trains_on_the_tiny_world(tmp_path, cache):
     assert samples[0]["prompt"].startswith("A conversation between User and Assistant.")
     assert samples[0]["prompt"].endswith("Assistant:")
     assert train_gsm8k.cli(["--template", "r2"]) == 2
+
+
+def test_the_hub_data_set_without_a_network_is_one_line(monkeypatch):
+    """datasets raises ConnectionError offline; the command says so in one line with the way out
+    (this was a traceback in `eval` and training alike)."""
+    datasets = pytest.importorskip("datasets", reason="datasets comes with TRL")
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(train_gsm8k.InputError, match="pass a folder with train.jsonl"):
+        gsm8k.load_data("openai/gsm8k", 5, 5)
