@@ -26,14 +26,14 @@ class RunLog:
 
     def __init__(self, out: Path, fresh: bool, report_to: str, state: dict,
                  num_iterations: int = 1):
-        self.out = out
+        # WHY first: a missing tensorboard or wandb stops the run before any log is touched
+        self.reporter = Reporter(report_to, out, {**state["train_config"], **state["grpo_config"]})
+        self.out, self.health = out, Health(num_iterations)
         if fresh:
             for name in LOGS:
                 (out / name).write_text("")
         self.metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text()
                         .splitlines()]
-        self.reporter = Reporter(report_to, out, {**state["train_config"], **state["grpo_config"]})
-        self.health = Health(num_iterations)
 
     def step(self, bar, m: dict, samples: list[dict], steps: int, sample_every: int,
              group_size: int):
