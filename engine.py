@@ -11,6 +11,9 @@ What this is
       - under PyTorch's SDPA kernel, a ready 4D padding mask, so transformers does not rebuild a
         causal mask at every token;
       - the transformers-version probes that all this needs.
+    Around every decode loop, in_batches samples at most GRPOConfig.sample_batch_size rows at a
+    time and records the sampler's log-prob of each drawn token (the sampler-trainer agreement
+    metric); merge_groups stacks dynamic sampling's chosen groups into one batch.
     The distribution is not defined here: `pick` is grpo.draw_tokens (temperature, greedy, the EOS
     floor), handed in by grpo.sample_completions. tests/test_engine.py checks that decode draws
     exactly the tokens of grpo.reference_decode and of transformers' generate() from the same seed,
@@ -366,24 +369,67 @@ def in_batches(decode, cfg, pad_id: int):
     """`decode`, run on at most cfg.sample_batch_size completions at a time (0: all at once):
     whole prompts' groups while a group fits, else each group in pieces. The pieces' completions
     are padded with pad_id to the longest and stacked in order, so the rows still come in groups.
+    Returns (completion ids (N, T), the sampler's log-prob of each drawn token (N, T)), the latter
+    read from the very logits `pick` drew from (after any EOS mask it applied), at cfg's
+    temperature: grpo.policy_update compares them with the trainer's (sampling/* metrics).
     WHY: the KV cache grows with the rows decoded together; at 7B, 64 completions of 768 tokens
          hold 24 GB of it (planner.py). NOTE: the draws differ from one batch from the same seed
          (the random numbers fall to other rows), but each row is drawn from the same policy."""
     rows = cfg.sample_batch_size
 
+    def recorded(model, prompt_ids, prompt_mask, g: int, max_new_tokens: int, pick):
+        steps = {}  # WHY by step: a compiled decode that falls back re-runs from step 0
+
+        def recording(logits, t, done):
+            ids, done = pick(logits, t, done)                                         # (n,), (n,)
+            scaled = logits.float() / cfg.temperature                                 # (n, V)
+            steps[t] = scaled.gather(-1, ids[:, None]).squeeze(1) - scaled.logsumexp(-1)  # (n,)
+            return ids, done
+
+        ids = decode(model, prompt_ids, prompt_mask, g, max_new_tokens, recording)   # (n, T)
+        return ids, torch.stack([steps[t] for t in range(ids.shape[1])], 1)          # (n, T) x2
+
     def batched(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, pick):
         B, G = prompt_ids.shape[0], group_size
         if not rows or B * G <= rows:
-            return decode(model, prompt_ids, prompt_mask, G, max_new_tokens, pick)
+            return recorded(model, prompt_ids, prompt_mask, G, max_new_tokens, pick)
         per = max(1, rows // G)                              # whole prompts in one piece
-        pieces = [decode(model, prompt_ids[b:b + per], prompt_mask[b:b + per], g,
-                         max_new_tokens, pick)                                        # (n, T_i)
+        pieces = [recorded(model, prompt_ids[b:b + per], prompt_mask[b:b + per], g,
+                           max_new_tokens, pick)                                      # (n, T_i)
                   for b in range(0, B, per)
                   for g in ([G] if G <= rows else [min(rows, G - k) for k in range(0, G, rows)])]
-        T = max(p.shape[1] for p in pieces)
-        return torch.cat([torch.nn.functional.pad(p, (0, T - p.shape[1]), value=pad_id)
-                          for p in pieces])                                           # (N, T)
+        T = max(ids.shape[1] for ids, _ in pieces)
+
+        def pad(x, value):
+            return torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value)      # (n, T)
+        return (torch.cat([pad(ids, pad_id) for ids, _ in pieces]),                  # (N, T)
+                torch.cat([pad(logp, 0.0) for _, logp in pieces]))                    # (N, T)
     return batched
+
+
+def merge_groups(parts: list[tuple[dict, list[int]]], G: int, pad_id: int) -> dict:
+    """The chosen groups (each G consecutive rows) of several rollouts, as one rollout: prompts
+    re-padded on the left, completions, the sampler's log-probs and per-token advantages on the
+    right (grpo.dynamic_sampling's last step)."""
+    # WHY: each rollout was padded to its own longest prompt and completion; the merged batch is
+    #      re-padded to the longest of all, on the same sides, so the masks stay exact.
+    rows = [(b, [g * G + i for g in groups for i in range(G)]) for b, groups in parts]
+    out = {k: [b[k][r] for b, rs in rows for r in rs] for k in ("prompts", "completions")}
+    out["columns"] = {k: [b["columns"][k][r] for b, rs in rows for r in rs]
+                      for k in parts[0][0]["columns"]}
+    P, T = (max(b[k].shape[1] for b, _ in parts) for k in ("prompt_ids", "completion_ids"))
+    padding = {"prompt_ids": (P, "left", pad_id), "prompt_mask": (P, "left", 0),
+               "completion_ids": (T, "right", pad_id), "completion_mask": (T, "right", 0),
+               "advantages": (T, "right", 0.0), "sampler_logp": (T, "right", 0.0),
+               "rewards": None, "truncated": None}
+    for k, pad in padding.items():
+        xs = [b[k][torch.tensor(rs, dtype=torch.long, device=b[k].device)] for b, rs in rows]
+        if pad is not None and xs[0].dim() == 2:  # WHY: outcome advantages are (n,), never padded
+            width, side, value = pad
+            fills = [x.new_full((x.shape[0], width - x.shape[1]), value) for x in xs]  # (n, gap)
+            xs = [torch.cat([f, x] if side == "left" else [x, f], dim=1) for x, f in zip(xs, fills)]
+        out[k] = torch.cat(xs)                                                        # (n_all, ...)
+    return out
 
 
 DECODERS = {"engine": decode, "compiled": decode_compiled}

@@ -287,7 +287,8 @@ def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig, gr
     decode = engine.in_batches(engine.DECODERS.get(cfg.sampler, reference_decode), cfg, pad_id)
     was_training = model.training
     model.eval()  # WHY: under gradient checkpointing, train mode turns the KV cache off.
-    completion_ids = decode(model, prompt_ids, prompt_mask, G, cfg.max_new_tokens, pick)  # (N, T)
+    completion_ids, sampler_logp = decode(model, prompt_ids, prompt_mask, G,
+                                          cfg.max_new_tokens, pick)                # (N, T) x2
     model.train(was_training)
 
     # NOTE: the rows come out grouped: completion n answers prompt n // G.
@@ -300,7 +301,7 @@ def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig, gr
     return dict(prompt_ids=prompt_ids.repeat_interleave(G, 0),                        # (N, P)
                 prompt_mask=prompt_mask.repeat_interleave(G, 0),                      # (N, P)
                 completion_ids=completion_ids, completion_mask=completion_mask,       # (N, T)
-                completions=texts, truncated=truncated)
+                sampler_logp=sampler_logp, completions=texts, truncated=truncated)    # (N, T)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -604,7 +605,8 @@ def micro_batches(batch: dict, size: int):
 
 def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOConfig) -> dict:
     """Algorithm 1's inner loop: μ optimizer steps on this batch, each over every micro-batch.
-    logp_old is None when μ = 1 (π_old = π_θ). Returns loss, KL, clip, entropy and gradient stats.
+    logp_old is None when μ = 1 (π_old = π_θ). Returns loss, KL, clip, entropy and gradient stats,
+    and how far the sampler's log-probs are from these (sampling/*, first update only).
 
     Each update: zero the gradient; for each micro-batch, score the tokens under π_θ (4), build
     the loss (5-7) and backward its weighted share; clip the global gradient norm; one AdamW step.
@@ -620,7 +622,7 @@ def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOC
     weights = (tok_share if cfg.loss_type == "token"
                else [(s.stop - s.start) / mask.shape[0] for s in slices])
     # NOTE: stats gains kl and clip_ratio/*, each a token-weighted mean over the batch.
-    stats, entropy_sum, grad_norm, skipped = {"loss": 0.0}, 0.0, 0.0, 0
+    stats, entropy_sum, grad_norm, skipped, gaps = {"loss": 0.0}, 0.0, 0.0, 0, [0.0, 0.0]
     for it in range(mu):
         optimizer.zero_grad(set_to_none=True)
         loss_this_update = 0.0
@@ -641,6 +643,12 @@ def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOC
                 stats[k] = stats.get(k, 0.0) + v * share / mu
             if it == 0:
                 entropy_sum += (entropy * mask[s].float()).sum().item()
+                # NOTE: the policy scored twice, by the sampler (token by token, KV cache) and
+                #       here: equal to rounding in fp32; bf16 or a separate engine drift apart.
+                diff = logp.detach() - batch["sampler_logp"][s]                       # (n, T)
+                gap = torch.where(mask[s].bool(), diff, 0.0)                # (n, T) real tokens
+                gaps[0] += gap.abs().sum().item()
+                gaps[1] += ((gap.exp() - 1).abs() > 0.1).sum().item()  # ratio outside [0.9, 1.1]
         stats["loss"] += loss_this_update / mu
         # WHY: clip the norm of the summed gradient, after every micro-batch, as one batch would.
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm).item()
@@ -651,7 +659,9 @@ def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOC
             #      the update, leave weights and optimizer state untouched, count it (metrics).
             skipped += 1
         optimizer.zero_grad(set_to_none=True)
-    stats["entropy"] = entropy_sum / max(1.0, mask.sum().item())
+    n_tok = max(1.0, mask.sum().item())
+    stats.update({"entropy": entropy_sum / n_tok, "sampling/logp_difference/mean": gaps[0] / n_tok,
+                  "sampling/ratio_outside_0.9_1.1": gaps[1] / n_tok})
     return {**stats, "grad_norm": grad_norm, "skipped_updates": skipped}
 
 
@@ -852,27 +862,4 @@ def dynamic_sampling(batch: dict, B: int, more_prompts, policy, tokenizer,
     if not any(groups for _, groups in parts):
         # WHY: if every group agreed, train on the first draw as plain GRPO would (A = 0).
         return batch, sampled
-    return merge_groups(parts, G, engine.pad_token_id(policy, tokenizer)), sampled
-
-
-def merge_groups(parts: list[tuple[dict, list[int]]], G: int, pad_id: int) -> dict:
-    """The chosen groups (each G consecutive rows) of several rollouts, as one rollout: prompts
-    re-padded on the left, completions and per-token advantages on the right."""
-    # WHY: each rollout was padded to its own longest prompt and completion; the merged batch is
-    #      re-padded to the longest of all, on the same sides, so the masks stay exact.
-    rows = [(b, [g * G + i for g in groups for i in range(G)]) for b, groups in parts]
-    out = {k: [b[k][r] for b, rs in rows for r in rs] for k in ("prompts", "completions")}
-    out["columns"] = {k: [b["columns"][k][r] for b, rs in rows for r in rs]
-                      for k in parts[0][0]["columns"]}
-    P, T = (max(b[k].shape[1] for b, _ in parts) for k in ("prompt_ids", "completion_ids"))
-    padding = {"prompt_ids": (P, "left", pad_id), "prompt_mask": (P, "left", 0),
-               "completion_ids": (T, "right", pad_id), "completion_mask": (T, "right", 0),
-               "advantages": (T, "right", 0.0), "rewards": None, "truncated": None}
-    for k, pad in padding.items():
-        xs = [b[k][torch.tensor(rs, dtype=torch.long, device=b[k].device)] for b, rs in rows]
-        if pad is not None and xs[0].dim() == 2:  # WHY: outcome advantages are (n,), never padded
-            width, side, value = pad
-            fills = [x.new_full((x.shape[0], width - x.shape[1]), value) for x in xs]  # (n, gap)
-            xs = [torch.cat([f, x] if side == "left" else [x, f], dim=1) for x, f in zip(xs, fills)]
-        out[k] = torch.cat(xs)                                                        # (n_all, ...)
-    return out
+    return engine.merge_groups(parts, G, engine.pad_token_id(policy, tokenizer)), sampled

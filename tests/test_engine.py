@@ -133,12 +133,18 @@ def one_step(base, tok, sampler: str, checkpointing: bool = False):
 
 
 def test_a_whole_grpo_step_is_the_same_with_either_sampler(tiny):
-    """One full grpo_step per sampler from the same seed and weights: every metric (but the time),
-    every logged sample and every updated weight are equal."""
+    """One full grpo_step per sampler from the same seed and weights: every metric (but the time
+    and the sampler-trainer agreement), every logged sample and every updated weight are equal.
+    The agreement measures the sampler itself: the reference sampler scores with the trainer's
+    very forward (a difference of exactly 0), the engine with its KV cache (rounding, ~1e-8)."""
     tok, base = tiny
     (m_fast, w_fast, _), (m_slow, w_slow, _) = (one_step(base, tok, s)
                                                 for s in ("engine", "reference"))
-    assert m_fast == m_slow and m_fast["reward_std"] > 0
+    gap = "sampling/logp_difference/mean"
+    assert m_slow[gap] == 0.0 and 0 <= m_fast[gap] < 1e-6
+    assert m_fast["sampling/ratio_outside_0.9_1.1"] == m_slow["sampling/ratio_outside_0.9_1.1"] == 0
+    assert ({k: v for k, v in m_fast.items() if k != gap}
+            == {k: v for k, v in m_slow.items() if k != gap}) and m_fast["reward_std"] > 0
     assert all(torch.equal(w_fast[k], w_slow[k]) for k in w_fast)
 
 
@@ -428,3 +434,24 @@ def test_sampling_in_batches_draws_from_the_policy(tiny):
     assert split["completion_ids"].shape[0] == 12 and len(set(split["completions"])) > 1
     mask = split["completion_mask"]
     assert torch.equal(mask, mask.cummin(1).values)  # ones, then zeros: no holes
+
+
+def test_the_agreement_metric_sees_a_sampler_that_differs(tiny, monkeypatch):
+    """sampling/logp_difference/mean: the sampler's log-probs of its own tokens against the
+    trainer's. Both in fp32: under 1e-6, no token's ratio outside [0.9, 1.1]. A sampler run under
+    bf16 autocast while the trainer scores in fp32, the mismatch the metric exists for: more
+    than 1000 times larger."""
+    tok, base = tiny
+    m32 = one_step(base, tok, "engine")[0]
+    real = grpo.sample_completions
+
+    def bf16_sampler(*args, **kwargs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, "sample_completions", bf16_sampler)
+    m16 = one_step(base, tok, "engine")[0]
+    assert m32["sampling/logp_difference/mean"] < 1e-6
+    assert m32["sampling/ratio_outside_0.9_1.1"] == 0
+    assert m16["sampling/logp_difference/mean"] > 1000 * max(m32["sampling/logp_difference/mean"],
+                                                             1e-9)

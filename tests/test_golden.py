@@ -54,7 +54,11 @@ def run_loop(kw: dict) -> dict:
 def test_three_steps_reproduce_the_recorded_numbers(name):
     golden = json.loads((Path(__file__).parent / "golden_steps.json").read_text())[name]
     got = run_loop(SETTINGS[name])
-    assert [sorted(s) for s in got["steps"]] == [sorted(s) for s in golden["steps"]]
+    # WHY: metrics added since the recording are measured here, not in the file; every recorded
+    #      one must still be there and still match
+    added = {"sampling/logp_difference/mean", "sampling/ratio_outside_0.9_1.1"}
+    assert [sorted(set(s) - added) for s in got["steps"]] == [sorted(s) for s in golden["steps"]]
+    assert all(added <= set(s) and s["sampling/ratio_outside_0.9_1.1"] == 0 for s in got["steps"])
     for step, (g, e) in enumerate(zip(got["steps"], golden["steps"]), 1):
         for key, want in e.items():
             assert math.isclose(g[key], want, rel_tol=1e-5, abs_tol=1e-7), (step, key, g[key], want)
