@@ -204,15 +204,22 @@ def maj_and_pass(completions: list[str], row: dict, prompt: str = "") -> tuple[b
     return bool(votes) and votes.most_common(1)[0][0] == gold, gold in answers
 
 
-def resolve_model(name: str) -> str:
-    """A run's --out folder means its final/ model; a LoRA checkpoint holds adapters only."""
+def load_for_eval(name: str):
+    """(model, tokenizer) of a hub id or a model folder; of a run's --out folder (its final/); or
+    of a LoRA checkpoint: its adapters on the base model its adapter_config.json names, merged."""
+    import checkpoint
+    import lora
     path = Path(name).expanduser()
     if (path / "final" / "config.json").exists():
-        return str(path / "final")
-    if (path / "adapter_config.json").exists():
-        raise InputError(f"--model {name} is a LoRA checkpoint (adapters only): evaluate its run's "
-                         f"final/ folder, the merged model")
-    return name
+        return checkpoint.load_pretrained(str(path / "final"), name)
+    if not (path / "adapter_config.json").exists():
+        return checkpoint.load_pretrained(name)
+    base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base:
+        raise InputError(f"--model {name}: a LoRA checkpoint that names no base model")
+    model, tokenizer = checkpoint.load_pretrained(base, f"{base} (the base of {name})")
+    adapted = lora.peft_module().PeftModel.from_pretrained(model, str(path))
+    return lora.merged(adapted), tokenizer
 
 
 def eval_command(argv: list[str]) -> dict:
@@ -221,13 +228,13 @@ def eval_command(argv: list[str]) -> dict:
     import torch
     from tqdm.auto import tqdm
 
-    import checkpoint
     import flags
     p = flags.OneLineParser(None, prog="train_gsm8k.py eval", description=(
         "Greedy accuracy, Maj@K (majority vote of K samples) and Pass@K (any of K right) on "
         "held-out problems, checked as training checks them (rewards.correctness_reward)."))
     p.add_argument("--model", required=True,
-                   help="a hub id, a model folder, or a run's --out folder (its final/)")
+                   help="a hub id, a model folder, a run's --out folder (its final/), or a "
+                        "LoRA checkpoint folder (merged onto its base)")
     p.add_argument("--data", default="openai/gsm8k",
                    help="'openai/gsm8k' (default: its test split), a folder with test.jsonl, "
                         "or 'tiny' (with --limit)")
@@ -254,7 +261,7 @@ def eval_command(argv: list[str]) -> dict:
         raise InputError("--data tiny generates its problems: give --limit N")
     _, rows = load_data(a.data, a.limit or 10**9, n_train=0, seed=0)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
-    model, tokenizer = checkpoint.load_pretrained(resolve_model(a.model), a.model)
+    model, tokenizer = load_for_eval(a.model)
     model = grpo.disable_dropout(model).to(device).eval()
     cfg = grpo.GRPOConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature)
     greedy = evaluate(model, tokenizer, rows, cfg, a.system_prompt, a.batch_size, "greedy",

@@ -387,10 +387,24 @@ def test_bad_eval_input_is_one_line(argv, says, capsys):
     assert says in err and len(err.splitlines()) == 1, err
 
 
-def test_eval_refuses_a_lora_checkpoint_with_the_way_out(tmp_path):
-    (tmp_path / "adapter_config.json").write_text("{}")
-    with pytest.raises(train_gsm8k.InputError, match="final/"):
-        gsm8k.resolve_model(str(tmp_path))
+def test_eval_of_a_lora_checkpoint_merges_it_onto_its_base(tmp_path, cache, capsys):
+    """A LoRA run's last checkpoint holds adapters only; eval puts them on the base model their
+    adapter_config.json names and merges: the same greedy accuracy as the run's final/. A
+    checkpoint that names no base is one line."""
+    pytest.importorskip("peft", reason="LoRA needs peft")
+    out = tmp_path / "lora"
+    summary = train_gsm8k.main([*TINY_FLAGS, "--lora-r", "4", "--lr", "1e-2", "--out", str(out)])
+    capsys.readouterr()
+    (ckpt,) = out.glob("checkpoint-*")
+    assert (ckpt / "adapter_config.json").exists() and not (ckpt / "config.json").exists()
+    assert train_gsm8k.cli(["eval", "--model", str(ckpt), "--data", "tiny", "--limit", "6",
+                            "--k", "2", "--max-new-tokens", "20", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["greedy_accuracy"] == summary["accuracy_after"]
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "adapter_config.json").write_text("{}")
+    with pytest.raises(train_gsm8k.InputError, match="names no base model"):
+        gsm8k.load_for_eval(str(tmp_path / "bare"))
 
 
 def test_r1_template_trains_on_the_tiny_world(tmp_path, cache):
