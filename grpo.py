@@ -86,11 +86,12 @@ from typing import Callable, Literal, Sequence, get_args
 
 import torch
 
+import baselines
 import engine
 import memory
 import rewards
 
-LossType = Literal["grpo", "token", "dr_grpo"]
+LossType = Literal["grpo", "token", "dr_grpo", "cispo"]
 LOSS_TYPES = get_args(LossType)
 
 
@@ -117,7 +118,10 @@ class GRPOConfig:
     num_iterations: int = 1
     """μ, policy updates per batch of samples (Algorithm 1). PAPER: 1."""
     loss_type: LossType = "grpo"
-    """Averaging of per-token losses: 'grpo' (paper), 'token' (DAPO), 'dr_grpo' (Dr. GRPO)."""
+    """Averaging of per-token losses: 'grpo' (paper), 'token' (DAPO), 'dr_grpo' (Dr. GRPO); 'cispo'
+    (MiniMax-M1): a clipped, detached weight times log π, token-averaged (baselines.py)."""
+    baseline: Literal["group", "leave_one_out", "none"] = "group"
+    """'group': the group's mean and std (paper); 'leave_one_out': RLOO; 'none': REINFORCE."""
     scale_rewards: bool = True
     """Divide centred rewards by the group std (paper). False: mean-centring only (Dr. GRPO)."""
     adv_eps: float = 1e-4
@@ -171,11 +175,14 @@ class GRPOConfig:
 
         for name, allowed in [("loss_type", LOSS_TYPES), ("supervision", ("outcome", "process")),
                               ("importance_sampling_level", ("token", "sequence")),
-                              ("sampler", ("engine", "compiled", "reference"))]:
+                              ("sampler", ("engine", "compiled", "reference")),
+                              ("baseline", ("group", "leave_one_out", "none"))]:
             if getattr(self, name) not in allowed:
                 fail(name, f"one of {allowed}")
         if self.group_size < 2:
             fail("group_size", "at least 2 (a group baseline needs 2)")
+        if self.baseline != "group" and self.supervision == "process":
+            fail("baseline", "'group' under process supervision (§4.1.3 sets its own baseline)")
         # NOTE: no batch size has to divide another: the last micro-batch may be smaller, and
         #       policy_update weights it so the summed gradient equals the full batch's (tested).
         for name, low in [("num_iterations", 1), ("max_new_tokens", 1), ("micro_batch_size", 1),
@@ -475,9 +482,8 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
 def grpo_loss(logp, logp_old, logp_ref, advantages, completion_mask, *, clip_eps=0.2,
               clip_eps_high=None, beta=0.04, loss_type="grpo", max_completion_length=None,
               importance_sampling_level="token"):
-    """loss = -J(θ) for one batch. logp, logp_old, logp_ref, completion_mask: (N, T); advantages
-    (N,) for outcome supervision (one per completion) or (N, T) for process supervision.
-    Returns (scalar loss, stats: kl, clip_ratio/low, clip_ratio/high, clip_ratio/region).
+    """loss = -J(θ) for one batch, and its stats (kl, clip_ratio/low, /high, /region). logp,
+    logp_old, logp_ref, completion_mask: (N, T); advantages (N,) (outcome) or (N, T) (process).
 
     Example (test_clip_binds_above_with_positive_advantage): ratio 1.3, ε = 0.2, A = +1 gives
     min(1.3, 1.2) = 1.2, and no gradient through the ratio: the update has gone far enough.
@@ -503,7 +509,8 @@ def grpo_loss(logp, logp_old, logp_ref, advantages, completion_mask, *, clip_eps
     ratio = torch.exp(log_ratio)                                                      # (N, T)
     # PAPER: min( r·A , clip(r, 1-ε, 1+ε)·A )                       (eq. 3; ε_high is DAPO's)
     clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)                     # (N, T)
-    surrogate = torch.min(ratio * A, clipped * A)                                     # (N, T)
+    surrogate = (torch.min(ratio * A, clipped * A) if loss_type != "cispo"            # (N, T)
+                 else baselines.cispo_surrogate(ratio, logp, A, clip_eps_high))  # DEVIATION: CISPO
 
     # 6. PAPER: D_KL[π_θ||π_ref] = π_ref/π_θ - log(π_ref/π_θ) - 1        (eq. 4, Schulman's k3)
     # NOTE: log(π_ref/π_θ) = ln 2 gives 2 - ln 2 - 1 = 0.3069; -ln 2 gives 0.5 + ln 2 - 1 = 0.1931.
@@ -524,7 +531,7 @@ def grpo_loss(logp, logp_old, logp_ref, advantages, completion_mask, *, clip_eps
     if loss_type == "grpo":
         # PAPER: 1/G Σ_i 1/|o_i| Σ_t                                                  (eq. 3)
         loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
-    elif loss_type == "token":
+    elif loss_type in ("token", "cispo"):
         # DEVIATION (opt-in, DAPO arXiv 2503.14476): Σ_i Σ_t / Σ_i |o_i|
         loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
     else:
@@ -619,7 +626,7 @@ def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOC
     #      loss (and so its gradient): 'grpo' and 'dr_grpo' average over sequences, so a micro-batch
     #      weighs n_mb / N; 'token' averages over tokens, so it weighs its share of the tokens.
     tok_share = [mask[s].sum().item() / max(1, mask.sum().item()) for s in slices]
-    weights = (tok_share if cfg.loss_type == "token"
+    weights = (tok_share if cfg.loss_type in ("token", "cispo")
                else [(s.stop - s.start) / mask.shape[0] for s in slices])
     # NOTE: stats gains kl and clip_ratio/*, each a token-weighted mean over the batch.
     stats, entropy_sum, grad_norm, skipped, gaps = {"loss": 0.0}, 0.0, 0.0, 0, [0.0, 0.0]
@@ -691,7 +698,8 @@ def rollout(policy, tokenizer, prompts: list[str], columns: dict | None,
     batch["rewards"], batch["reward_means"] = compute_rewards(
         reward_funcs, batch["prompts"], batch["completions"], batch["columns"], cfg.reward_weights)
     # 3. Advantages: one per completion, shared by all its tokens (outcome supervision, §4.1.2).
-    A = group_advantages(batch["rewards"], G, cfg.scale_rewards, cfg.adv_eps)         # (N,)
+    A = (group_advantages(batch["rewards"], G, cfg.scale_rewards, cfg.adv_eps)        # (N,)
+         if cfg.baseline == "group" else baselines.ADVANTAGES[cfg.baseline](batch["rewards"], G))
     batch["advantages"] = A.to(batch["completion_ids"].device)                        # (N,)
     return batch
 
