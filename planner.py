@@ -208,31 +208,30 @@ def fits(peak: float, gpu_gb: float) -> bool:
     return peak + CUDA_RESERVE <= gpu_gb * GiB
 
 
-def candidate_changes(s: StepSettings) -> list[tuple[str, dict]]:
+def candidate_changes(s: StepSettings) -> list[tuple[str, str, object]]:
     """Each single change of flags that lowers memory and leaves the math and the data alone:
-    (the flag as typed, {setting: new value})."""
+    (the flag as typed, the setting it changes, the new value)."""
     n = min(s.micro_batch_size, s.group_size * s.prompts_per_step)
     k = min(s.sample_batch_size or s.group_size * s.prompts_per_step,
             s.group_size * s.prompts_per_step)
-    return [(flag, change) for flag, change, useful in [
-        ("--lora-r 16", {"lora_r": 16}, not s.lora_r),
-        ("--gradient-checkpointing", {"gradient_checkpointing": True},
-         not s.gradient_checkpointing),
-        ("--bf16", {"bf16": True}, not s.bf16),
-        ("--logprob-chunk 1024", {"logprob_chunk": 1024}, not s.logprob_chunk),
-        (f"--micro-batch-size {max(1, n // 2)}", {"micro_batch_size": max(1, n // 2)}, n > 1),
-        ("--offload-activations", {"offload_activations": True}, not s.offload_activations),
-        (f"--sample-batch-size {max(1, k // 2)}", {"sample_batch_size": max(1, k // 2)}, k > 1),
+    return [(flag, key, value) for flag, key, value, useful in [
+        ("--lora-r 16", "lora_r", 16, not s.lora_r),
+        ("--gradient-checkpointing", "gradient_checkpointing", True, not s.gradient_checkpointing),
+        ("--bf16", "bf16", True, not s.bf16),
+        ("--logprob-chunk 1024", "logprob_chunk", 1024, not s.logprob_chunk),
+        (f"--micro-batch-size {max(1, n // 2)}", "micro_batch_size", max(1, n // 2), n > 1),
+        ("--offload-activations", "offload_activations", True, not s.offload_activations),
+        (f"--sample-batch-size {max(1, k // 2)}", "sample_batch_size", max(1, k // 2), k > 1),
     ] if useful]
 
 
-def run_changes(s: StepSettings) -> list[tuple[str, dict]]:
+def run_changes(s: StepSettings) -> list[tuple[str, str, object]]:
     """The last resort, changes to the run itself: half the prompts per step (down to 1), half
-    the completion length (down to 64 tokens)."""
-    return [(flag, change) for flag, change, useful in [
-        (f"--prompts-per-step {s.prompts_per_step // 2}",
-         {"prompts_per_step": s.prompts_per_step // 2}, s.prompts_per_step > 1),
-        (f"--max-new-tokens {s.max_new_tokens // 2}", {"max_new_tokens": s.max_new_tokens // 2},
+    the completion length (down to 64 tokens). As candidate_changes: (flag, setting, value)."""
+    return [(flag, key, value) for flag, key, value, useful in [
+        (f"--prompts-per-step {s.prompts_per_step // 2}", "prompts_per_step",
+         s.prompts_per_step // 2, s.prompts_per_step > 1),
+        (f"--max-new-tokens {s.max_new_tokens // 2}", "max_new_tokens", s.max_new_tokens // 2,
          s.max_new_tokens > 64),
     ] if useful]
 
@@ -241,19 +240,22 @@ def fixes(shape: ModelShape, s: StepSettings, gpu_gb: float, critic: bool) -> li
     """The flags that make a run fit ([] if it fits as it is, None if nothing here does).
     Greedy: add the change that lowers the peak most until it fits (run_changes only when no
     other is left), then drop each flag the others make unnecessary."""
-    peak = lambda changes: step_memory(shape, replace(s, **changes), critic)["peak"]  # noqa: E731
-    chosen: dict[str, tuple[str, dict]] = {}  # setting -> (flag, change); a later halving wins
-    while not fits(peak({k: v for _, c in chosen.values() for k, v in c.items()}), gpu_gb):
-        now = replace(s, **{k: v for _, c in chosen.values() for k, v in c.items()})
-        options = candidate_changes(now) or run_changes(now)
+    chosen: dict[str, tuple[str, object]] = {}  # setting -> (flag, value); a later halving wins
+
+    def settings(without: str = "", **extra) -> StepSettings:  # s with the chosen changes
+        return replace(s, **{**{k: v for k, (_, v) in chosen.items() if k != without}, **extra})
+
+    def peak(without: str = "", **extra) -> float:
+        return step_memory(shape, settings(without, **extra), critic)["peak"]
+
+    while not fits(peak(), gpu_gb):
+        options = candidate_changes(settings()) or run_changes(settings())
         if not options:
             return None
-        best = min(options, key=lambda o: peak({**{k: v for _, c in chosen.values()
-                                                    for k, v in c.items()}, **o[1]}))
-        chosen.update({k: best for k in best[1]})
+        flag, key, value = min(options, key=lambda o: peak(**{o[1]: o[2]}))
+        chosen[key] = (flag, value)
     for key in list(chosen):
-        rest = {k: v for name, (_, c) in chosen.items() if name != key for k, v in c.items()}
-        if fits(peak(rest), gpu_gb):
+        if fits(peak(without=key), gpu_gb):
             del chosen[key]
     return [flag for flag, _ in chosen.values()]
 
@@ -276,11 +278,16 @@ def load_config(name: str):
                          f"{str(e).strip().splitlines()[0]}") from None
 
 
-def settings_of(tcfg, gcfg, prompt_tokens: int) -> StepSettings:
-    """StepSettings from train_gsm8k.py's TrainConfig and grpo.GRPOConfig (the same names)."""
-    both = {**asdict(tcfg), **asdict(gcfg)}
-    return StepSettings(prompt_tokens=prompt_tokens, **{
-        k: both[k] for k in StepSettings.__dataclass_fields__ if k != "prompt_tokens"})
+def settings_of(gcfg, prompt_tokens: int, **run) -> StepSettings:
+    """StepSettings from a grpo.GRPOConfig, the prompt length and the run's own settings
+    (train_gsm8k.py's TrainConfig fields, by the same names; any other name is ignored)."""
+    given = {**run, **asdict(gcfg), "prompt_tokens": prompt_tokens}
+    return StepSettings(**{k: given[k] for k in StepSettings.__dataclass_fields__ if k in given})
+
+
+def prompt_tokens_of(tokenizer, prompts: list[str]) -> int:
+    """The longest prompt in tokens: what grpo.sample_completions pads a step's prompts to."""
+    return max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts)
 
 
 def plan(shape: ModelShape, s: StepSettings, gpu_gb: float) -> dict:
@@ -355,7 +362,7 @@ def plan_command(argv: list[str], parse_args) -> dict:
         name = "the tiny world's model"
         config = tiny_world.tiny_llama(tiny_world.char_tokenizer(), hidden=ws.hidden,
                                        layers=ws.layers, heads=ws.heads).config
-    shape, s = model_shape(config), settings_of(tcfg, gcfg, a.prompt_tokens)
+    shape, s = model_shape(config), settings_of(gcfg, a.prompt_tokens, **asdict(tcfg))
     res = plan(shape, s, a.gpu_gb)
     out = {"model": name, "gpu_gb": a.gpu_gb, "cuda_reserve_bytes": CUDA_RESERVE,
            "parameters": shape.params, "settings": asdict(s),

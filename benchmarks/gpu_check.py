@@ -159,12 +159,9 @@ def lora_step(device: str, config_path: str, group_size: int, prompts: int, n_to
                            [r["prompt"] for r in rows], [rewards.correctness_reward], cfg,
                            columns={"answer": [r["answer"] for r in rows]})
     sync(device)
-    prompt_tokens = max(len(tok(r["prompt"], add_special_tokens=False)["input_ids"])
-                        for r in rows)
-    settings = planner.StepSettings(
-        group_size=group_size, prompts_per_step=prompts, prompt_tokens=prompt_tokens,
-        max_new_tokens=n_tokens, micro_batch_size=cfg.micro_batch_size, bf16=True,
-        gradient_checkpointing=True, logprob_chunk=1024, lora_r=16)
+    prompt_tokens = planner.prompt_tokens_of(tok, [r["prompt"] for r in rows])
+    settings = planner.settings_of(cfg, prompt_tokens, prompts_per_step=prompts, bf16=True,
+                                   gradient_checkpointing=True, lora_r=16)
     plan = planner.step_memory(planner.model_shape(config), settings)
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if on_gpu else None
     trainable, params = lora.trainable_share(policy)

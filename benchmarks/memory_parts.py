@@ -131,12 +131,9 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
                lora_r=lora_r)
     # The planner's prediction for the same step (planner.py), from the config alone
     import planner
-    prompt_tokens = max(len(tok(r["prompt"], add_special_tokens=False)["input_ids"])
-                        for r in rows[prompts:])  # step 2's prompts, padded to the longest
-    settings = planner.StepSettings(
-        group_size=group_size, prompts_per_step=prompts, prompt_tokens=prompt_tokens,
-        max_new_tokens=tokens, micro_batch_size=prompts * group_size, beta=beta,
-        gradient_checkpointing=gradient_checkpointing, logprob_chunk=logprob_chunk, lora_r=lora_r)
+    prompt_tokens = planner.prompt_tokens_of(tok, [r["prompt"] for r in rows[prompts:]])  # step 2
+    settings = planner.settings_of(cfg, prompt_tokens, prompts_per_step=prompts,
+                                   gradient_checkpointing=gradient_checkpointing, lora_r=lora_r)
     plan = planner.step_memory(planner.model_shape(lora.unwrap(policy).config), settings)
     out.update(planned_peak_mb=plan["peak"] / 2**20, planned_phase=plan["peak_phase"],
                plan_error=out["peak_over_baseline_mb"] / (plan["peak"] / 2**20) - 1)

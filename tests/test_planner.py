@@ -107,11 +107,11 @@ def test_fixes_make_it_fit_and_each_flag_is_needed():
     assert not planner.fits(planner.step_memory(shape, s)["peak"], 16)
     flags = planner.fixes(shape, s, 16, critic=False)
     assert flags
-    changes = {f: c for f, c in planner.candidate_changes(s) + planner.run_changes(s)}
-    with_all = replace(s, **{k: v for f in flags for k, v in changes[f].items()})
+    changes = {f: (k, v) for f, k, v in planner.candidate_changes(s) + planner.run_changes(s)}
+    with_all = replace(s, **dict(changes[f] for f in flags))
     assert planner.fits(planner.step_memory(shape, with_all)["peak"], 16)
     for drop in flags:
-        rest = replace(s, **{k: v for f in flags if f != drop for k, v in changes[f].items()})
+        rest = replace(s, **dict(changes[f] for f in flags if f != drop))
         assert not planner.fits(planner.step_memory(shape, rest)["peak"], 16), drop
     assert planner.fixes(shape, s, 80, critic=False) == []
     assert planner.fixes(shape, s, 1, critic=False) is None
