@@ -150,6 +150,11 @@ def resume(run_dir: Path, device: str, cfg: grpo.GRPOConfig, logs: list[str], ba
     return policy, optimizer, state
 
 
+def device_of(name: str) -> str:
+    """A --device value as torch takes it: 'auto' is cuda when there is one, else cpu."""
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
 def load_pretrained(name: str, shown_as: str = ""):
     """(model, tokenizer) from a hub id or a local directory, in fp32 on the CPU. A missing
     directory, a failed load or non-finite weights raise InputError naming `shown_as` (default:

@@ -212,7 +212,7 @@ def load_for_eval(name: str):
     path = Path(name).expanduser()
     if (path / "final" / "config.json").exists():
         return checkpoint.load_pretrained(str(path / "final"), name)
-    if not (path / "adapter_config.json").exists():
+    if not lora.is_adapter_dir(path):
         return checkpoint.load_pretrained(name)
     base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not base:
@@ -260,7 +260,8 @@ def eval_command(argv: list[str]) -> dict:
     if a.data == "tiny" and not a.limit:
         raise InputError("--data tiny generates its problems: give --limit N")
     _, rows = load_data(a.data, a.limit or 10**9, n_train=0, seed=0)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+    import checkpoint
+    device = checkpoint.device_of(a.device)
     model, tokenizer = load_for_eval(a.model)
     model = grpo.disable_dropout(model).to(device).eval()
     cfg = grpo.GRPOConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature)

@@ -178,7 +178,7 @@ def main(argv=None) -> dict:
     import torch
     from tqdm.auto import tqdm
     torch.set_num_threads(tcfg.threads or torch.get_num_threads())
-    device = {"auto": "cuda" if torch.cuda.is_available() else "cpu"}.get(tcfg.device, tcfg.device)
+    device = checkpoint.device_of(tcfg.device)
 
     # Data, and the reward functions tried on it, before any model loads. WHY the extra rows:
     # dynamic sampling tops batches up with fresh prompts (at most this many rounds).
