@@ -165,7 +165,7 @@ class Reporter:
                    and not isinstance(v, bool) and k != "step"}
         if self.kind == "tensorboard":
             for k, v in numbers.items():
-                self.writer.add_scalar(k, v, step, walltime=None)
+                self.writer.add_scalar(k, v, step)
                 if wall_seconds is not None:  # WHY: accuracy against time, as the issue asks
                     self.writer.add_scalar(k + "_by_seconds", v, round(wall_seconds))
         elif self.kind == "wandb":
@@ -190,8 +190,7 @@ def results_table(summary: dict, out: Path) -> str:
 
 def moving_average(ys: list[float], window: int = WINDOW) -> list[float]:
     """The mean of each point and the (up to) window-1 before it: [1, 3, 5], 2 -> [1, 2, 4]."""
-    return [sum(ys[max(0, k - window + 1):k + 1]) / len(ys[max(0, k - window + 1):k + 1])
-            for k in range(len(ys))]
+    return [sum(w) / len(w) for w in (ys[max(0, k - window + 1):k + 1] for k in range(len(ys)))]
 
 
 def plot_curves(metrics: list[dict], evals: list[tuple[int, float]], path: Path,
@@ -206,24 +205,21 @@ def plot_curves(metrics: list[dict], evals: list[tuple[int, float]], path: Path,
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     steps = [m["step"] for m in metrics]
-
-    def values(k):
-        # NOTE: under process supervision there is no rewards/correctness_reward; `reward` is
-        #       the final answer's step reward, i.e. the accuracy.
-        return [m.get(k, m["reward"] if k == "rewards/correctness_reward" else math.nan)
-                for m in metrics]
-
     panels = [("reward", ["reward"]), ("accuracy", ["rewards/correctness_reward"]),
               ("KL to reference", ["kl"]), ("clip ratio", ["clip_ratio/low", "clip_ratio/high"]),
               ("completion length", ["completions/mean_length"])]
+    # NOTE: under process supervision there is no rewards/correctness_reward; `reward` is the
+    #       final answer's step reward, i.e. the accuracy.
+    values = {k: [m.get(k, m["reward"] if k == "rewards/correctness_reward" else math.nan)
+                  for m in metrics] for _, keys in panels for k in keys}
     panels = [(t, keys) for t, keys in panels
-              if t == "accuracy" or any(v != 0 for k in keys for v in values(k))]
+              if t == "accuracy" or any(v != 0 for k in keys for v in values[k])]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
     for ax, (title, keys) in zip(axes, panels):
         for k in keys:
             label = k if len(keys) > 1 else "train samples"
-            line, = ax.plot(steps, values(k), alpha=0.3, linewidth=1)
-            ax.plot(steps, moving_average(values(k)), color=line.get_color(),
+            line, = ax.plot(steps, values[k], alpha=0.3, linewidth=1)
+            ax.plot(steps, moving_average(values[k]), color=line.get_color(),
                     label=f"{label}, mean of {WINDOW}")
         if title == "accuracy" and evals:
             ax.plot(*zip(*evals), "o-", color="black", markersize=4,
