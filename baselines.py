@@ -5,6 +5,7 @@ and CISPO's surrogate. Each is one GRPOConfig choice, off by default.
     cfg = grpo.GRPOConfig(baseline="leave_one_out")    # RLOO: the mean of the other G-1 rewards
     cfg = grpo.GRPOConfig(baseline="none")             # REINFORCE: the reward itself
     cfg = grpo.GRPOConfig(loss_type="cispo")           # CISPO: clipped, detached IS weight x log π
+    cfg = grpo.GRPOConfig(baseline="critic")           # PPO: a learned critic (ppo.py runs it)
 
 What GRPO changes, side by side (advantage of completion i in a group of G, rewards r):
     GRPO       A_i = (r_i - mean(r)) / std(r)                      grpo.group_advantages (paper)
@@ -42,7 +43,15 @@ def no_baseline_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tens
     return rewards.clone()                                                            # (N,)
 
 
-ADVANTAGES = {"leave_one_out": leave_one_out_advantages, "none": no_baseline_advantages}
+def critic_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """PPO's advantages come from a learned value model and GAE, not from the rewards alone:
+    ppo.Critic runs that step in grpo.grpo_step's place, so reaching this is a mistake."""
+    raise ValueError("baseline 'critic' is PPO with a value model: run ppo.Critic(policy, cfg) "
+                     "as the step function (train_gsm8k.py --baseline critic does)")
+
+
+ADVANTAGES = {"leave_one_out": leave_one_out_advantages, "none": no_baseline_advantages,
+              "critic": critic_advantages}
 
 
 def cispo_surrogate(ratio: torch.Tensor, logp: torch.Tensor, A: torch.Tensor,

@@ -20,6 +20,7 @@ import dataclasses
 import inspect
 import sys
 import typing
+from pathlib import Path
 
 from transformers import HfArgumentParser
 
@@ -73,8 +74,8 @@ def flag_parser(configs: list[tuple[type, dict, str]], presets: dict[str, tuple[
     """One parser for several dataclasses. configs: [(class, defaults, --help section title)];
     presets: {name: (overrides of each class, in order)}, shown in --help;
     choices: {field: allowed values}."""
-    views = [flags_view(cls, defaults, title, {p: over[i] for p, over in presets.items()},
-                        choices or {})
+    views = [flags_view(cls, defaults, title, {p: over[i] for p, over in presets.items()
+                                               if i < len(over)}, choices or {})
              for i, (cls, defaults, title) in enumerate(configs)]
     parser = OneLineParser(views, formatter_class=argparse.HelpFormatter, description=description)
     for f in (f for view in views for f in dataclasses.fields(view)):
@@ -84,6 +85,32 @@ def flag_parser(configs: list[tuple[type, dict, str]], presets: dict[str, tuple[
                                 action="store_false", default=argparse.SUPPRESS,
                                 help=f"turn --{f.name.replace('_', '-')} off")
     return parser
+
+
+def parse_configs(argv, configs, presets: dict, may_change: set[str], saved_state, choices: dict,
+                  description: str) -> list:
+    """One instance of each dataclass in `configs` ([(class, state key, --help title)]) from argv.
+    Flags override the preset (--preset NAME: {name: (overrides of each class, in order)}), which
+    overrides the field defaults. --resume DIR: saved_state(DIR)'s settings instead of a preset's,
+    and a flag outside `may_change` that differs from them is refused."""
+    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # WHY: defaults hang on it
+    first.add_argument("--preset", default=configs[0][0].preset)
+    first.add_argument("--resume", default="")
+    known = first.parse_known_args(argv)[0]
+    state = saved_state(Path(known.resume)) if known.resume else {}
+    # WHY: a run saved before a dataclass existed resumes with that dataclass's defaults.
+    saved = ([state.get(key) or dataclasses.asdict(cls()) for cls, key, _ in configs] if state
+             else list(presets.get(known.preset, ())) + [{}] * len(configs))[:len(configs)]
+    parser = flag_parser([(cls, over, title) for (cls, _, title), over in zip(configs, saved)],
+                         presets, description, choices)
+    args = vars(parser.parse_args(argv))
+    if state:
+        refuse_changes(args, {k: v for over in saved for k, v in over.items()}, may_change)
+    try:
+        return [cls(**{f.name: args[f.name] for f in dataclasses.fields(cls)})
+                for cls, _, _ in configs]
+    except ValueError as e:
+        raise config_error(e) from None
 
 
 def config_error(e: ValueError) -> InputError:

@@ -120,8 +120,9 @@ class GRPOConfig:
     loss_type: LossType = "grpo"
     """Averaging of per-token losses: 'grpo' (paper), 'token' (DAPO), 'dr_grpo' (Dr. GRPO); 'cispo'
     (MiniMax-M1): a clipped, detached weight times log π, token-averaged (baselines.py)."""
-    baseline: Literal["group", "leave_one_out", "none"] = "group"
-    """'group': the group's mean and std (paper); 'leave_one_out': RLOO; 'none': REINFORCE."""
+    baseline: Literal["group", "leave_one_out", "none", "critic"] = "group"
+    """'group': the group's mean and std (paper); 'leave_one_out': RLOO; 'none': REINFORCE;
+    'critic': PPO's learned value model and GAE, which ppo.Critic runs in grpo_step's place."""
     scale_rewards: bool = True
     """Divide centred rewards by the group std (paper). False: mean-centring only (Dr. GRPO)."""
     adv_eps: float = 1e-4
@@ -176,7 +177,7 @@ class GRPOConfig:
         for name, allowed in [("loss_type", LOSS_TYPES), ("supervision", ("outcome", "process")),
                               ("importance_sampling_level", ("token", "sequence")),
                               ("sampler", ("engine", "compiled", "reference")),
-                              ("baseline", ("group", "leave_one_out", "none"))]:
+                              ("baseline", ("group", "leave_one_out", "none", "critic"))]:
             if getattr(self, name) not in allowed:
                 fail(name, f"one of {allowed}")
         if self.group_size < 2:

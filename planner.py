@@ -353,7 +353,7 @@ def plan_command(argv: list[str], parse_args) -> dict:
         raise InputError(f"--gpu-gb must be > 0 (the card's memory in GiB), got {a.gpu_gb:g}")
     if a.prompt_tokens < 1:
         raise InputError(f"--prompt-tokens must be >= 1, got {a.prompt_tokens}")
-    tcfg, gcfg = parse_args(rest)
+    tcfg, gcfg, _ = parse_args(rest)
     if tcfg.model:
         name, config = tcfg.model, load_config(tcfg.model)
     else:  # the tiny world's model, as tiny_world.warm_start builds it

@@ -17,7 +17,6 @@ checkpoint-<step>/ to --out. Its helpers sit beside it; the README's file list s
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import random
 import sys
@@ -32,8 +31,9 @@ import gsm8k
 import lora
 import memory
 import planner
+import ppo
 import report
-from flags import InputError  # noqa: F401 (re-exported: callers catch train_gsm8k.InputError)
+from flags import InputError  # re-exported: callers catch train_gsm8k.InputError
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,33 +137,25 @@ PRESETS = {
 RESUME_MAY_CHANGE = {"resume", "steps", "save_every", "sample_every", "threads", "device",
                      "eval_batch_size", "max_bad_steps", "compile", "sampler", "eval_every",
                      "report_to"}
+# The flags' dataclasses: (class, its key in a checkpoint's state, its --help section)
+CONFIGS = [(TrainConfig, "train_config", "run"), (grpo.GRPOConfig, "grpo_config", "GRPO (grpo."
+           "GRPOConfig)"), (ppo.PPOConfig, "ppo_config", "PPO's critic (ppo.PPOConfig; only with "
+                            "--baseline critic)")]
 
 
-def parse_args(argv=None) -> tuple[TrainConfig, grpo.GRPOConfig]:
+def parse_args(argv=None) -> tuple[TrainConfig, grpo.GRPOConfig, ppo.PPOConfig]:
     """Flags override the preset, which overrides the dataclass defaults. --resume DIR: DIR's saved
-    settings, of which only RESUME_MAY_CHANGE may be changed."""
-    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # WHY: defaults hang on it
-    first.add_argument("--preset", default=TrainConfig.preset)
-    first.add_argument("--resume", default="")
-    known = first.parse_known_args(argv)[0]
-    state = checkpoint.saved_state(Path(known.resume)) if known.resume else {}
-    train_over, grpo_over = ((state["train_config"], state["grpo_config"]) if state
-                             else PRESETS.get(known.preset, ({}, {})))
-    parser = flags.flag_parser(
-        [(TrainConfig, train_over, "run"), (grpo.GRPOConfig, grpo_over, "GRPO (grpo.GRPOConfig)")],
-        PRESETS, choices={"preset": list(PRESETS), "compile": ["auto", "on", "off"],
-                          "report_to": list(report.REPORT_TO), "template": list(gsm8k.TEMPLATES)},
+    settings, of which only RESUME_MAY_CHANGE may be changed (flags.parse_configs)."""
+    tcfg, gcfg, pcfg = flags.parse_configs(
+        argv, CONFIGS, PRESETS, RESUME_MAY_CHANGE, checkpoint.saved_state,
+        choices={"preset": list(PRESETS), "compile": ["auto", "on", "off"],
+                 "report_to": list(report.REPORT_TO), "template": list(gsm8k.TEMPLATES)},
         description="Train a causal LM with GRPO and report held-out accuracy before and after; "
                     "flags override --preset. Also: `plan --help` (fits a GPU?), `summarize DIRS`.")
-    args = vars(parser.parse_args(argv))
-    if state:
-        flags.refuse_changes(args, {**grpo_over, **train_over}, RESUME_MAY_CHANGE)
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    try:
-        return (TrainConfig(**{k: v for k, v in args.items() if k in names}),
-                grpo.GRPOConfig(**{k: v for k, v in args.items() if k not in names}))
-    except ValueError as e:
-        raise flags.config_error(e) from None
+    if gcfg.baseline == "critic" and (tcfg.resume or tcfg.lora_r or gcfg.dynamic_sampling):
+        raise InputError("--baseline critic (PPO, ppo.py) trains every weight from the start: "
+                         "not with --resume, --lora-r or --dynamic-sampling")
+    return tcfg, gcfg, pcfg
 
 
 # ----------------------------------------------------------------------------------------------
@@ -171,7 +163,7 @@ def parse_args(argv=None) -> tuple[TrainConfig, grpo.GRPOConfig]:
 # ----------------------------------------------------------------------------------------------
 def main(argv=None) -> dict:
     t_command = time.perf_counter()  # WHY: the whole command, warm-start build included
-    tcfg, gcfg = parse_args(argv)
+    tcfg, gcfg, pcfg = parse_args(argv)
     weights = gcfg.reward_weights or gsm8k.default_reward_weights(tcfg.template)
     gcfg = dataclasses.replace(gcfg, reward_weights=weights, sampler=engine.sampler_for(
         tcfg.compile, gcfg.sampler, tcfg.steps * gcfg.max_new_tokens))
@@ -213,10 +205,13 @@ def main(argv=None) -> dict:
         optimizer = grpo.make_optimizer(policy, gcfg)
         state = checkpoint.new_state(model_name, tcfg.steps * tcfg.prompts_per_step)
         out.mkdir(parents=True, exist_ok=True)
-    state.update(train_config=dataclasses.asdict(tcfg), grpo_config=dataclasses.asdict(gcfg))
+    configs = {key: dataclasses.asdict(c) for (_, key, _), c in zip(CONFIGS, (tcfg, gcfg, pcfg))}
+    state.update(configs)
     log = report.RunLog(out, not tcfg.resume, tcfg.report_to, state, gcfg.num_iterations)
     engine.enable_activation_checkpointing(policy, tcfg.gradient_checkpointing)
     policy.train()
+    # PPO (--baseline critic) swaps in its step, which trains a value model beside the policy.
+    step_fn = ppo.Critic(policy, gcfg, pcfg) if gcfg.baseline == "critic" else grpo.grpo_step
     engine.compile_layers(gcfg.sampler, policy, ref)  # with compiled decoding: the layers too
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=tcfg.bf16)
     n_params = sum(p.numel() for p in policy.parameters()) / 1e6
@@ -254,8 +249,8 @@ def main(argv=None) -> dict:
         prompts, columns = gsm8k.prompts_and_columns(tokenizer, rows, tcfg.system_prompt,
                                                      tcfg.template)
         with autocast, memory.offloaded(tcfg.offload_activations):
-            m = grpo.grpo_step(policy, ref, optimizer, tokenizer, prompts, reward_funcs, gcfg,
-                               columns=columns, return_samples=True, more_prompts=more_prompts)
+            m = step_fn(policy, ref, optimizer, tokenizer, prompts, reward_funcs, gcfg,
+                        columns=columns, return_samples=True, more_prompts=more_prompts)
         samples = m.pop("samples")
         m = {"step": step, **m}
         log.step(bar, m, samples, tcfg.steps, tcfg.sample_every, gcfg.group_size)
@@ -283,7 +278,7 @@ def main(argv=None) -> dict:
                "device": device, "torch_threads": torch.get_num_threads(), "evals": state["evals"],
                "skipped_updates": state["skipped_updates"],
                "command_seconds": time.perf_counter() - t_command,  # this process (since resuming)
-               "train_config": dataclasses.asdict(tcfg), "grpo_config": dataclasses.asdict(gcfg)}
+               **configs}
     checkpoint.write_json_atomic(out / "summary.json", summary)
     print(report.results_table(summary, out))
     return summary

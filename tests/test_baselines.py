@@ -78,7 +78,7 @@ def test_cispo_at_mu_1_has_grpo_token_level_gradient():
 
 def test_config_checks_the_baseline():
     with pytest.raises(ValueError, match="baseline must be one of"):
-        grpo.GRPOConfig(baseline="critic")
+        grpo.GRPOConfig(baseline="value_model")
     with pytest.raises(ValueError, match="baseline must be 'group' under process supervision"):
         grpo.GRPOConfig(baseline="none", supervision="process")
 

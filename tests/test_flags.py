@@ -107,12 +107,12 @@ def test_train_gsm8k_help_lists_every_field_with_the_preset_values(capsys):
 
 def test_every_old_flag_spelling_still_parses():
     """The flags users had before the generated parser: hyphenated names, --no-* for bools."""
-    tcfg, gcfg = train_gsm8k.parse_args(
+    tcfg, gcfg, _ = train_gsm8k.parse_args(
         ["--preset", "qwen2.5-0.5b", "--no-bf16", "--no-gradient-checkpointing", "--group-size",
          "4", "--no-scale-rewards", "--reward-weights", "1", "0", "--clip-eps-high", "0.28",
          "--importance-sampling-level", "sequence", "--dynamic-sampling", "2", "--threads", "1"])
     assert (tcfg.bf16, tcfg.gradient_checkpointing, gcfg.scale_rewards) == (False, False, False)
     assert gcfg.group_size == 4 and gcfg.reward_weights == [1.0, 0.0]
     assert gcfg.clip_eps_high == 0.28 and gcfg.importance_sampling_level == "sequence"
-    tcfg, _ = train_gsm8k.parse_args(["--bf16", "--gradient-checkpointing"])
+    tcfg, *_ = train_gsm8k.parse_args(["--bf16", "--gradient-checkpointing"])
     assert tcfg.bf16 and tcfg.gradient_checkpointing and tcfg.preset == "tiny"

@@ -162,6 +162,8 @@ GOOD = json.dumps({"question": "1+1?", "answer": "1+1=<<1+1=2>>2\n#### 2"})
     ("hub_offline", "cannot load model 'nobody/no-such-model'"),
     ("group_size", "--group-size must be at least 2"),
     ("beta", "--beta must be >= 0"),
+    ("critic_lora", "--baseline critic (PPO, ppo.py) trains every weight from the start"),
+    ("lam", "--lam must be from 0 to 1"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, case, expected, capsys, monkeypatch):
     data = tmp_path / "data"
@@ -175,7 +177,9 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, case, expected, caps
             "model_dir": ["--model", "./no/such/model", "--data", str(data)],
             "hub_offline": ["--model", "nobody/no-such-model", "--data", str(data)],
             "group_size": ["--group-size", "1"],
-            "beta": ["--beta", "-0.1"]}[case]
+            "beta": ["--beta", "-0.1"],
+            "critic_lora": ["--baseline", "critic", "--lora-r", "4"],
+            "lam": ["--baseline", "critic", "--lam", "1.5"]}[case]
     if case == "bad_json":
         write(data / "train.jsonl", GOOD + "\n{not json\n")
     if case == "missing_field":
@@ -256,11 +260,12 @@ def test_hub_dataset_without_datasets_installed_is_a_clear_error(monkeypatch, tm
 
 
 def test_flags_override_the_preset_which_overrides_the_defaults():
-    tcfg, gcfg = train_gsm8k.parse_args(["--preset", "qwen2.5-0.5b", "--lr", "2e-6", "--no-bf16"])
+    tcfg, gcfg, _ = train_gsm8k.parse_args(["--preset", "qwen2.5-0.5b", "--lr", "2e-6",
+                                            "--no-bf16"])
     assert tcfg.model == "Qwen/Qwen2.5-0.5B-Instruct" and tcfg.bf16 is False   # preset, then flag
     assert gcfg.lr == 2e-6 and gcfg.max_new_tokens == 512                       # flag, preset
     assert gcfg.beta == 0.04 and gcfg.clip_eps == 0.2                           # paper defaults
-    tcfg, gcfg = train_gsm8k.parse_args([])
+    tcfg, gcfg, _ = train_gsm8k.parse_args([])
     assert tcfg.preset == "tiny" and tcfg.data == "tiny" and gcfg.max_new_tokens == 96
 
 
@@ -405,6 +410,20 @@ def test_eval_of_a_lora_checkpoint_merges_it_onto_its_base(tmp_path, cache, caps
     (tmp_path / "bare" / "adapter_config.json").write_text("{}")
     with pytest.raises(train_gsm8k.InputError, match="names no base model"):
         gsm8k.load_for_eval(str(tmp_path / "bare"))
+
+
+def test_ppo_with_a_critic_trains_on_the_tiny_world(tmp_path, cache):
+    """--baseline critic runs ppo.Critic in grpo_step's place: the value model is logged, its
+    settings are saved, and --resume of such a run is refused (its value model is not saved)."""
+    out = tmp_path / "ppo"
+    summary = train_gsm8k.main([*TINY_FLAGS, "--baseline", "critic", "--lam", "0.9",
+                                "--out", str(out)])
+    assert summary["ppo_config"]["lam"] == 0.9 and summary["grpo_config"]["baseline"] == "critic"
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2
+    assert all(math.isfinite(m["value/loss"]) and "value/explained_variance" in m
+               for m in metrics)
+    assert train_gsm8k.cli(["--resume", str(out), "--steps", "3"]) == 2
 
 
 def test_r1_template_trains_on_the_tiny_world(tmp_path, cache):
