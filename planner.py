@@ -129,6 +129,8 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
                       layer's gradient (all gradients once a second micro-batch has run)
         optimizer     every gradient (fused AdamW: no model-sized temporaries), and the
                       embedding's dense gradient as backward ends
+        critic backward  PPO only: the value model's activations and gradients, after the
+                      policy's update (ppo.Critic.value_update)
     The per-token activation counts were measured on Llama and Qwen2 blocks with autograd's
     saved-tensor hooks (fp32 and CPU bf16 autocast): docs/memory.md.
     """
@@ -181,18 +183,22 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
                       "critic gradients": c_trainable * 4, "critic optimizer": c_trainable * 8,
                       "critic autocast copies": parts["autocast copies"],
                       "critic activations": parts["activations"]})  # the same blocks, no logits
-        # WHY together: PPO trains policy and critic with one backward of their summed losses
-        train += parts["critic activations"] + (parts["critic gradients"] if later else 0)
     copies = parts["autocast copies"] + parts.get("critic autocast copies", 0)
-    grads = parts["gradients"] + parts.get("critic gradients", 0)
     phases = {
         "sampling": parts["KV cache"] + 2 * decoded * V * 4 + copies,
         "scoring": 3 * unit + n * S * full + copies,   # logits, their copy, logsumexp's
         "backward": train + copies,
         # NOTE: at backward's end every gradient exists, and the embedding's arrives as a dense
         #       (V, h) tensor before it is added into its .grad
-        "optimizer": grads + copies + (4 * shape.embed_params if head_trainable else 0),
+        "optimizer": parts["gradients"] + copies + (4 * shape.embed_params if head_trainable
+                                                    else 0),
     }
+    if critic:
+        # WHY a phase of its own: ppo.Critic updates the value model after the policy, whose
+        #      gradients are freed by then. (TRL's PPOTrainer backpropagates the summed losses of
+        #      both at once, which would add these activations to the policy's backward.)
+        phases["critic backward"] = (parts["critic activations"] + copies
+                                     + parts["critic gradients"] * (1 if later else 0))
     persistent = sum(parts[k] for k in ("weights", "reference", "optimizer", "critic weights",
                                         "critic optimizer") if k in parts)
     peak_phase = max(phases, key=phases.get)

@@ -226,6 +226,8 @@ class Critic:
             norm = torch.nn.utils.clip_grad_norm_(self.value.parameters(), cfg.max_grad_norm)
             if torch.isfinite(norm):  # WHY: as the policy's update, a non-finite one is skipped
                 self.optimizer.step()
+            # WHY (memory): free the gradients now, not at the next step: a model-sized buffer
+            self.optimizer.zero_grad(set_to_none=True)
         m = mask.bool()
         err = (returns - values_old)[m]                                               # (tokens,)
         # NOTE: explained variance 1 - Var(R - V_old) / Var(R): 1 is a perfect critic, 0 one no

@@ -56,13 +56,15 @@ def reset_peak():
 
 def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads: int,
             beta: float = 0.04, gradient_checkpointing: bool = False, logprob_chunk: int = 0,
-            lora_r: int = 0) -> dict:
-    """Persistent memory by part and each phase's peak in step 2 of grpo_step, in MB."""
+            lora_r: int = 0, baseline: str = "group") -> dict:
+    """Persistent memory by part and each phase's peak in step 2 of grpo_step, in MB.
+    baseline='critic': PPO's step (ppo.Critic) instead, with its value model and AdamW state."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import engine
     import grpo
     import lora
+    import ppo
     import rewards
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -80,12 +82,16 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
     out["weights_mb"] = status_mb("VmRSS") - out["baseline_mb"]
     cfg = grpo.GRPOConfig(group_size=group_size, max_new_tokens=tokens, min_new_tokens=tokens,
                           beta=beta, lr=1e-4, micro_batch_size=prompts * group_size,
-                          sampler="engine", logprob_chunk=logprob_chunk)
+                          sampler="engine", logprob_chunk=logprob_chunk, baseline=baseline)
     before = status_mb("VmRSS")
     ref = (None if not beta else lora.AdaptersOff(policy) if lora_r
            else grpo.make_reference(policy))
     out["reference_mb"] = status_mb("VmRSS") - before
     opt = grpo.make_optimizer(policy, cfg)
+    before_critic = status_mb("VmRSS")
+    critic = ppo.Critic(policy, cfg) if baseline == "critic" else None
+    out["critic_mb"] = status_mb("VmRSS") - before_critic
+    step_fn = critic or grpo.grpo_step
 
     peaks, start = {}, [0.0]
 
@@ -107,17 +113,20 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
     grpo.token_logprobs = phase("training forward", real[2])
     torch.Tensor.backward = phase("backward", real[3])
     opt.step = phase("optimizer step", opt.step)
+    if critic:  # PPO: the value model's own AdamW step
+        critic.optimizer.step = phase("optimizer step", critic.optimizer.step)
     rows = rows_for(2 * prompts)
     try:
         for step in range(2):
             if step == 1:  # step 2: AdamW's state exists, so this is the steady state
-                out["optimizer_mb"] = status_mb("VmRSS") - before - out["reference_mb"]
+                out["optimizer_mb"] = (status_mb("VmRSS") - before - out["reference_mb"]
+                                       - out["critic_mb"])
                 peaks.clear()
             start[0] = status_mb("VmRSS")
             batch = rows[step * prompts:(step + 1) * prompts]
-            grpo.grpo_step(policy, ref, opt, tok, [r["prompt"] for r in batch],
-                           [rewards.correctness_reward], cfg,
-                           columns={"answer": [r["answer"] for r in batch]})
+            step_fn(policy, ref, opt, tok, [r["prompt"] for r in batch],
+                    [rewards.correctness_reward], cfg,
+                    columns={"answer": [r["answer"] for r in batch]})
     finally:
         (grpo.sample_completions, grpo.fixed_logprobs, grpo.token_logprobs,
          torch.Tensor.backward) = real
@@ -128,13 +137,14 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
     out["peak_mb"] = out["baseline_mb"] + out["peak_over_baseline_mb"]
     out["trainable"], out["parameters"] = lora.trainable_share(policy)
     out.update(gradient_checkpointing=gradient_checkpointing, logprob_chunk=logprob_chunk,
-               lora_r=lora_r)
+               lora_r=lora_r, baseline=baseline)
     # The planner's prediction for the same step (planner.py), from the config alone
     import planner
     prompt_tokens = planner.prompt_tokens_of(tok, [r["prompt"] for r in rows[prompts:]])  # step 2
     settings = planner.settings_of(cfg, prompt_tokens, prompts_per_step=prompts,
                                    gradient_checkpointing=gradient_checkpointing, lora_r=lora_r)
-    plan = planner.step_memory(planner.model_shape(lora.unwrap(policy).config), settings)
+    plan = planner.step_memory(planner.model_shape(lora.unwrap(policy).config), settings,
+                               critic=critic is not None)
     out.update(planned_peak_mb=plan["peak"] / 2**20, planned_phase=plan["peak_phase"],
                plan_error=out["peak_over_baseline_mb"] / (plan["peak"] / 2**20) - 1)
     return out
@@ -148,6 +158,9 @@ def print_parts(res: dict, title: str):
             ("frozen reference (a copy; none with LoRA)", res["reference_mb"],
              "0" if res["lora_r"] else f"{mb:.0f}"),
             ("AdamW state (exp_avg, exp_avg_sq)", res["optimizer_mb"], f"{2 * tr:.0f}")]
+    if res.get("baseline") == "critic":
+        rows.insert(3, ("PPO's value model (backbone + scalar head)", res["critic_mb"],
+                        "the policy's, less its output layer"))
     print(f"\n{title}\n\n| part | MB | for comparison (MB) |\n|---|---|---|")
     for name, v, note in rows:
         print(f"| {name} | {v:,.0f} | {note} |")
@@ -180,6 +193,8 @@ def main(argv=None):
                    help="score log-probs this many tokens at a time (memory.py; default 0: off)")
     p.add_argument("--lora-r", type=int, default=0,
                    help="LoRA rank, alpha 2r, all linear layers (lora.py; default 0: off)")
+    p.add_argument("--baseline", choices=["group", "critic"], default="group",
+                   help="'critic': PPO's step with its value model (ppo.py) instead of GRPO's")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--plan-check", metavar="SIZES",
                    help="measure planner.py's prediction against these sizes (comma-separated "
@@ -199,7 +214,7 @@ def main(argv=None):
     if a.worker:
         with contextlib.redirect_stdout(sys.stderr):
             res = measure(a.worker, a.group_size, a.prompts, a.tokens, a.threads, a.beta,
-                          a.gradient_checkpointing, a.logprob_chunk, a.lora_r)
+                          a.gradient_checkpointing, a.logprob_chunk, a.lora_r, a.baseline)
         print(json.dumps(res))
         return res
     # WHY a fresh process: building the model here leaves freed memory behind in this one, which
@@ -215,7 +230,8 @@ def main(argv=None):
         res = json.loads(proc.stdout.strip().splitlines()[-1])
     model = (f"llama hidden {a.hidden} x {a.layers} layers" if a.arch == "llama"
              else "Qwen2.5-0.5B architecture")
-    print_parts(res, f"Memory of one grpo_step, {model} ({res['parameters'] / 1e6:.1f} M), "
+    step = "PPO step (ppo.Critic)" if a.baseline == "critic" else "grpo_step"
+    print_parts(res, f"Memory of one {step}, {model} ({res['parameters'] / 1e6:.1f} M), "
                      f"G={a.group_size}, {a.prompts} prompts, {a.tokens} tokens, fp32, "
                      f"gradient checkpointing {'on' if a.gradient_checkpointing else 'off'}, "
                      f"log-prob chunk {a.logprob_chunk or 'off'}, LoRA r {a.lora_r or 'off'}")
@@ -232,7 +248,8 @@ SIZES = {  # name: this script's flags for it
     "qwen2.5-0.5b": ["--arch", "qwen2.5-0.5b"],
 }
 VARIANTS = {"full": [], "LoRA r 16": ["--lora-r", "16"], "chunk 64": ["--logprob-chunk", "64"],
-            "checkpointed": ["--gradient-checkpointing"]}
+            "checkpointed": ["--gradient-checkpointing"],
+            "PPO + critic": ["--baseline", "critic"]}
 
 
 def plan_check(sizes: str, threads: int) -> list[dict]:
