@@ -56,7 +56,20 @@ VARIANTS = {
     "mu2": (["--num-iterations", "2"], "μ = 2: two updates per batch of samples"),
     "sft_control": (None,
                     "control: the same wall time as grpo spent on more supervised steps, no RL"),
+    # The baselines GRPO is measured against (baselines.py, ppo.py): --compare runs these four
+    "ppo": (["--baseline", "critic"],
+            "PPO with a learned critic (ppo.py): a value model the policy's size, GAE γ = 1, "
+            "λ = 0.95, the KL in the reward"),
+    "rloo": (["--baseline", "leave_one_out"],
+             "RLOO (arXiv 2402.14740): the mean of the other G-1 rewards as the baseline"),
+    "reinforce": (["--baseline", "none"], "REINFORCE: the reward itself, no baseline"),
+    "cispo_mu2": (["--loss-type", "cispo", "--clip-eps-high", "0.28", "--num-iterations", "2"],
+                  "CISPO (arXiv 2506.13585): clipped, detached IS weight x log π, token mean, "
+                  "ε_high 0.28, at μ = 2 (at μ = 1 its gradient is GRPO's token-level one)"),
 }
+# --compare: GRPO against the critic and the two critic-free baselines, with a learning curve
+COMPARE = ["grpo", "ppo", "rloo", "reinforce"]
+COMPARE_FLAGS = ["--eval-every", "5", "--eval-batch-size", "300"]  # every 5 steps, all problems
 
 
 def run_dir(out: Path, variant: str, seed: int) -> Path:
@@ -203,24 +216,88 @@ def plot(out: Path, stats: dict[str, list[dict]], before: float):
     plt.close(fig)
 
 
+def curve(d: Path) -> list[tuple[int, float, float]]:
+    """(step, training seconds so far, held-out accuracy %) at each evaluation of a run: before
+    (step 0), every --eval-every steps, and after. Seconds are the summed step_time (sampling,
+    scoring and updates; the evaluations' own time is left out)."""
+    s = json.loads((d / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    spent = [0.0]
+    for m in metrics:
+        spent.append(spent[-1] + m["step_time"])
+    points = [*map(tuple, s["evals"]), (s["steps"], s["accuracy_after"])]
+    return [(step, spent[min(step, len(metrics))], 100 * acc) for step, acc in points]
+
+
+def compare_table(stats: dict[str, list[dict]], runs: dict[str, list[Path]], desc: str) -> str:
+    """GRPO against its baselines: accuracy ± over seeds, and what a step costs in time."""
+    base = [r["after"] for r in stats["grpo"]]
+    lines = [desc, "", "| method | final accuracy (%) | change (points) | vs grpo (points) | "
+             "seconds per step | minutes per run |", "|---|---|---|---|---|---|"]
+    for name, rs in stats.items():
+        per_step = [r["train_seconds"] / max(1, curve(d)[-1][0]) for r, d in zip(rs, runs[name])]
+        vs = "—" if name == "grpo" else verdict([r["after"] for r in rs], base)
+        lines.append(f"| {name} | {mean_sd([r['after'] for r in rs])} | "
+                     f"{mean_sd([r['gain'] for r in rs])} | {vs} | {mean_sd(per_step, '{:.2f}')} "
+                     f"| {mean_sd([r['minutes'] for r in rs])} |")
+    lines += ["", "| method | what it is |", "|---|---|"]
+    lines += [f"| {name} | {VARIANTS[name][1]} |" for name in stats]
+    return "\n".join(lines)
+
+
+def compare_plot(runs: dict[str, list[Path]], path: Path):
+    """Held-out accuracy against steps (left) and against training seconds (right): the mean
+    over seeds as a line, each seed as a faint one."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for (name, dirs), color in zip(runs.items(), ["#222", "#c44", "#48a", "#8a4", "#a6c"]):
+        curves = [curve(d) for d in dirs]
+        for ax, x in zip(axes, (0, 1)):
+            for c in curves:
+                ax.plot([p[x] for p in c], [p[2] for p in c], color=color, alpha=0.25, lw=0.8)
+            n = min(len(c) for c in curves)
+            xs = [statistics.mean(c[i][x] for c in curves) for i in range(n)]
+            ys = [statistics.mean(c[i][2] for c in curves) for i in range(n)]
+            ax.plot(xs, ys, color=color, lw=2, marker="o", ms=3,
+                    label=f"{name} ({len(curves)} seeds)")
+    axes[0].set_xlabel("step (the same completions sampled per step by every method)")
+    axes[1].set_xlabel("training seconds (sampling, scoring, updates)")
+    axes[0].set_ylabel("held-out greedy accuracy (%)")
+    axes[0].legend(fontsize=8)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="GRPO variants on the tiny world over seeds "
                                 "(see the module docstring).",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
-                   metavar="NAME", help=f"which to run (default: all of {', '.join(VARIANTS)})")
+    p.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v not in COMPARE[1:]],
+                   choices=list(VARIANTS), metavar="NAME",
+                   help=f"which to run (default: all but {', '.join(COMPARE[1:])}; known: "
+                        f"{', '.join(VARIANTS)})")
+    p.add_argument("--compare", action="store_true",
+                   help=f"GRPO against its baselines: runs {', '.join(COMPARE)} with an "
+                        f"evaluation every 5 steps, and writes compare.md and compare.png "
+                        f"(default --out runs/compare)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds (default 0 1 2)")
     p.add_argument("--steps", type=int, default=30, help="GRPO steps per run (default 30)")
     p.add_argument("--eval-size", type=int, default=300, help="held-out problems (default 300)")
     p.add_argument("--jobs", type=int, default=2,
                    help="runs side by side (default 2; threads split among them)")
-    p.add_argument("--out", default="runs/ablation",
-                   help="output directory (default runs/ablation)")
+    p.add_argument("--out", help="output directory (default runs/ablation)")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --, flags passed to every "
                    "train_gsm8k.py run (e.g. -- --warm-start-steps 5)")
     a = p.parse_args(argv)
     extra = a.extra[1:] if a.extra[:1] == ["--"] else a.extra
-    out = Path(a.out)
+    if a.compare:
+        a.variants, extra = COMPARE, [*COMPARE_FLAGS, *extra]
+    out = Path(a.out or ("runs/compare" if a.compare else "runs/ablation"))
     out.mkdir(parents=True, exist_ok=True)
     common = ["--steps", str(a.steps), "--eval-size", str(a.eval_size), *extra]
     threads = max(1, (os.cpu_count() or 1) // a.jobs)
@@ -247,13 +324,21 @@ def main(argv=None):
                                               .read_text())["accuracy_before"] for s in a.seeds)
     desc = (f"{a.steps} GRPO steps of {B} prompts x G={G}, "
             f"{a.eval_size} held-out problems, warm start at {before:.1f}%")
-    text = table(out, stats, a.seeds, desc)
-    (out / "ablation.md").write_text(text + "\n")
-    plot(out, stats, before)
+    if a.compare:
+        runs = {v: [run_dir(out, v, s) for s in a.seeds] for v in COMPARE}
+        text = compare_table(stats, runs, f"Tiny world, {desc}, seeds "
+                                          f"{', '.join(map(str, a.seeds))}.")
+        (out / "compare.md").write_text(text + "\n")
+        compare_plot(runs, out / "compare.png")
+    else:
+        text = table(out, stats, a.seeds, desc)
+        (out / "ablation.md").write_text(text + "\n")
+        plot(out, stats, before)
     print(text)
     minutes = (time.perf_counter() - t0) / 60
+    name = "compare" if a.compare else "ablation"
     print(f"\n{len(stats) * len(a.seeds)} runs in {out}/ ({minutes:.0f} min this invocation); "
-          f"table in {out / 'ablation.md'}, plot in {out / 'ablation.png'}")
+          f"table in {out / (name + '.md')}, plot in {out / (name + '.png')}")
     return stats
 
 

@@ -23,9 +23,10 @@ def test_every_variant_runs_and_the_table_and_plot_come_out(tmp_path, monkeypatc
                            "--", "--warm-start-steps", "5", "--prompts-per-step", "2",
                            "--group-size", "4",
                            "--max-new-tokens", "16"])
-    assert list(stats) == list(ablation.VARIANTS)
+    default = [v for v in ablation.VARIANTS if v not in ablation.COMPARE[1:]]
+    assert list(stats) == default and "cispo_mu2" in default
     table = (out / "ablation.md").read_text()
-    for name in ablation.VARIANTS:
+    for name in default:
         assert f"| {name} |" in table
         for seed in (0, 1):
             assert (out / f"{name}-seed{seed}" / "summary.json").exists()
@@ -42,3 +43,25 @@ def test_every_variant_runs_and_the_table_and_plot_come_out(tmp_path, monkeypatc
                    "--", "--warm-start-steps", "5", "--prompts-per-step", "2", "--group-size", "4",
                    "--max-new-tokens", "16"])
     assert (out / "grpo-seed0" / "summary.json").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.slow
+def test_compare_runs_grpo_against_its_baselines_with_learning_curves(tmp_path, monkeypatch):
+    """--compare: GRPO, PPO with a critic, RLOO and REINFORCE, each with evaluations every 5
+    steps; compare.md has a row per method with seconds per step, and compare.png both curves."""
+    monkeypatch.setenv("GRPO_TINY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "compare"
+    stats = ablation.main(["--compare", "--seeds", "0", "1", "--steps", "6", "--eval-size", "4",
+                           "--jobs", "2", "--out", str(out), "--", "--warm-start-steps", "5",
+                           "--prompts-per-step", "2", "--group-size", "4",
+                           "--max-new-tokens", "12"])
+    assert list(stats) == ablation.COMPARE == ["grpo", "ppo", "rloo", "reinforce"]
+    table = (out / "compare.md").read_text()
+    assert all(f"| {name} |" in table for name in ablation.COMPARE) and "seconds per step" in table
+    assert (out / "compare.png").stat().st_size > 10_000
+    points = ablation.curve(out / "ppo-seed0")
+    assert [p[0] for p in points] == [0, 5, 6]  # before, the step-5 evaluation, after
+    assert points[0][1] == 0 and points[-1][1] > 0
+    summary = json.loads((out / "ppo-seed0" / "summary.json").read_text())
+    assert summary["grpo_config"]["baseline"] == "critic"
