@@ -60,6 +60,9 @@ VARIANTS = {
     "ppo": (["--baseline", "critic"],
             "PPO with a learned critic (ppo.py): a value model the policy's size, GAE γ = 1, "
             "λ = 0.95, the KL in the reward"),
+    "ppo_critic_lr": (["--baseline", "critic", "--value-lr", "1e-3"],
+                      "the same PPO, its critic at 10x the policy's learning rate (1e-3), so it "
+                      "learns within 30 steps"),
     "rloo": (["--baseline", "leave_one_out"],
              "RLOO (arXiv 2402.14740): the mean of the other G-1 rewards as the baseline"),
     "reinforce": (["--baseline", "none"], "REINFORCE: the reward itself, no baseline"),
@@ -68,7 +71,7 @@ VARIANTS = {
                   "ε_high 0.28, at μ = 2 (at μ = 1 its gradient is GRPO's token-level one)"),
 }
 # --compare: GRPO against the critic and the two critic-free baselines, with a learning curve
-COMPARE = ["grpo", "ppo", "rloo", "reinforce"]
+COMPARE = ["grpo", "ppo", "ppo_critic_lr", "rloo", "reinforce"]
 COMPARE_FLAGS = ["--eval-every", "5", "--eval-batch-size", "300"]  # every 5 steps, all problems
 
 
@@ -113,7 +116,8 @@ def sft_control_run(out: Path, seed: int, seconds: float, settings, threads: int
     t, gcfg, name = settings  # WHY the run's own model name: the control starts from that model
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    ws = tiny_world.WarmStartConfig(steps=t["warm_start_steps"], seed=t["warm_start_seed"])
+    ws = tiny_world.WarmStartConfig(steps=t["warm_start_steps"], seed=t["warm_start_seed"],
+                                    slip=t.get("warm_start_slip", "answer"))
     model, tok = checkpoint.load_pretrained(str(tiny_world.warm_start(ws, log=lambda *a: None)))
     _, eval_rows = gsm8k.load_data("tiny", t["eval_size"], n_train=1)
 
@@ -252,7 +256,7 @@ def compare_plot(runs: dict[str, list[Path]], path: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
-    for (name, dirs), color in zip(runs.items(), ["#222", "#c44", "#48a", "#8a4", "#a6c"]):
+    for (name, dirs), color in zip(runs.items(), ["#222", "#c44", "#e9a", "#48a", "#8a4"]):
         curves = [curve(d) for d in dirs]
         for ax, x in zip(axes, (0, 1)):
             for c in curves:

@@ -173,23 +173,36 @@ def _templates(r: random.Random):
             [(b, "*", c), (P, "-", spent)])
 
 
-def solve(steps, slip_rate: float = 0.0, rng: random.Random | None = None) -> tuple[str, int]:
+SLIPS = ("answer", "arithmetic")
+
+
+def solve(steps, slip_rate: float = 0.0, rng: random.Random | None = None,
+          slip: str = "answer") -> tuple[str, int]:
     """GSM8K's layout for a chain of steps: one line `x op y=<<x op y=r>>r` per step, then `####
     answer`.
 
-    With slip_rate > 0, the careless author answers the wrong quantity: on a problem of two or more
-    steps, with that probability the `####` line repeats the FIRST step's result. Every step's
-    arithmetic is still right, so only the last line differs from the true solution. slip_rate = 0
-    gives the true answer. Returns (solution text, the number on its `####` line).
+    With slip_rate > 0, the careless author slips on a problem of two or more steps, with that
+    probability, in one of two ways (`slip`):
+      'answer'      the `####` line repeats the FIRST step's result. Every step's arithmetic is
+                    still right, so only the last line differs from the true solution.
+      'arithmetic'  the first step's result is written one too high (`3*4=<<3*4=13>>13`) and the
+                    later steps carry it on, so the answer is wrong because of an intermediate
+                    step: the mistake a step-level check can point at and a final-answer check
+                    cannot. Problems whose later steps divide are left alone (the division would
+                    not come out even).
+    slip_rate = 0 gives the true answer. Returns (solution text, the number on its `####` line).
     """
+    if slip not in SLIPS:
+        raise ValueError(f"slip must be one of {SLIPS}, got {slip!r}")
+    slipped = slip_rate > 0 and len(steps) > 1 and rng.random() < slip_rate
+    if slip == "arithmetic" and any(op == "/" for _, op, _ in steps[1:]):
+        slipped = False
     lines, results = [], []
-    for x, op, y in steps:
+    for i, (x, op, y) in enumerate(steps):
         x, y = (results[-1] if x == P else x), (results[-1] if y == P else y)
-        results.append(OPS[op](x, y))
+        results.append(OPS[op](x, y) + (1 if slipped and slip == "arithmetic" and i == 0 else 0))
         lines.append(f"{x}{op}{y}=<<{x}{op}{y}={results[-1]}>>{results[-1]}")
-    answer = results[-1]
-    if slip_rate > 0 and len(results) > 1 and rng.random() < slip_rate:
-        answer = results[0]  # answers an intermediate quantity
+    answer = results[0] if slipped and slip == "answer" else results[-1]
     return "\n".join(lines + [f"#### {answer}"]), answer
 
 
@@ -200,12 +213,12 @@ def split_of(question: str) -> str:
 
 
 def make_problems(n: int, split: str = "train", seed: int = 0,
-                  slip_rate: float = 0.0) -> list[dict]:
+                  slip_rate: float = 0.0, slip: str = "answer") -> list[dict]:
     """n distinct problems of one split, as GSM8K rows: {"question", "answer"} (answer = full
     solution).
 
-    slip_rate > 0 writes careless solutions (see solve); use it only for warm-start text, never as a
-    gold.
+    slip_rate > 0 writes careless solutions (see solve, and `slip` there); use it only for
+    warm-start text, never as a gold.
     """
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
@@ -217,7 +230,7 @@ def make_problems(n: int, split: str = "train", seed: int = 0,
         if question in seen or split_of(question) != split:
             continue
         seen.add(question)
-        rows.append({"question": question, "answer": solve(steps, slip_rate, slips)[0]})
+        rows.append({"question": question, "answer": solve(steps, slip_rate, slips, slip)[0]})
     return rows
 
 
@@ -255,6 +268,10 @@ class WarmStartConfig:
     still writes the right one often enough for the verifier's reward to find it."""
     seed: int = 0
     """Seed for the weights and for the order of training problems."""
+    slip: str = "answer"
+    """The author's mistake (solve): 'answer' answers the first step's result; 'arithmetic'
+    writes the first step's result one too high and carries it on (process supervision's fair
+    test: its step rewards see the mistake, the final answer only that something is wrong)."""
 
 
 def default_cache_dir() -> Path:
@@ -288,6 +305,13 @@ def supervised_step(model, tokenizer, opt, rows: list[dict]) -> torch.Tensor:
     return loss
 
 
+def warm_start_key(cfg: WarmStartConfig) -> str:
+    """The warm start's cache key: a hash of its settings."""
+    # WHY slip left out at its default: the checkpoints cached before it existed keep their key.
+    settings = {k: v for k, v in asdict(cfg).items() if (k, v) != ("slip", "answer")}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def warm_start(cfg: WarmStartConfig = WarmStartConfig(), cache_dir: Path | None = None,
                log=print) -> Path:
     """Train (or reuse) the supervised warm start; return its `save_pretrained` directory.
@@ -297,8 +321,7 @@ def warm_start(cfg: WarmStartConfig = WarmStartConfig(), cache_dir: Path | None 
     checkpoint.
     """
     cache_dir = Path(cache_dir or default_cache_dir())
-    key = hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:12]
-    out = cache_dir / f"warm-start-{key}"
+    out = cache_dir / f"warm-start-{warm_start_key(cfg)}"
     if (out / "config.json").exists():
         return out
 
@@ -310,7 +333,7 @@ def warm_start(cfg: WarmStartConfig = WarmStartConfig(), cache_dir: Path | None 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg.steps)))))
     rows = make_problems(cfg.steps * cfg.batch_size, "train", seed=cfg.seed,
-                         slip_rate=cfg.slip_rate)
+                         slip_rate=cfg.slip_rate, slip=cfg.slip)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"warm start: {n_params / 1e6:.2f} M parameters, {cfg.steps} supervised steps -> {out}")
     t0 = time.perf_counter()
@@ -338,13 +361,14 @@ def more_supervised_steps(model, tokenizer, seconds: float,
     lr = cfg.lr * 0.1 if lr is None else lr
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     # WHY a different seed: fresh problems the warm start never saw, as GRPO's training prompts are.
-    rows = make_problems(64 * cfg.batch_size, "train", seed=seed + 1000, slip_rate=cfg.slip_rate)
+    rows = make_problems(64 * cfg.batch_size, "train", seed=seed + 1000, slip_rate=cfg.slip_rate,
+                         slip=cfg.slip)
     model.train()
     start, step = time.perf_counter(), 0
     while time.perf_counter() - start < seconds:
         if (step + 1) * cfg.batch_size > len(rows):
             rows += make_problems(64 * cfg.batch_size, "train", seed=seed + 1000 + step,
-                                  slip_rate=cfg.slip_rate)
+                                  slip_rate=cfg.slip_rate, slip=cfg.slip)
         batch = rows[step * cfg.batch_size:(step + 1) * cfg.batch_size]
         supervised_step(model, tokenizer, opt, batch)
         step += 1
@@ -352,9 +376,10 @@ def more_supervised_steps(model, tokenizer, seconds: float,
     return step
 
 
-def load_warm_start(steps: int, seed: int, log=print):
-    """(model, tokenizer, name) of the warm start of `steps` supervised steps from `seed`, built
-    on first use and cached (warm_start)."""
-    ws = WarmStartConfig(steps=steps, seed=seed)
-    name = f"tiny-world warm start ({ws.steps} supervised steps, seed {ws.seed})"
+def load_warm_start(steps: int, seed: int, log=print, slip: str = "answer"):
+    """(model, tokenizer, name) of the warm start of `steps` supervised steps from `seed`, whose
+    text slips as `slip` says, built on first use and cached (warm_start)."""
+    ws = WarmStartConfig(steps=steps, seed=seed, slip=slip)
+    name = (f"tiny-world warm start ({ws.steps} supervised steps, seed {ws.seed}"
+            + ("" if slip == "answer" else f", {slip} slips") + ")")
     return (*load_pretrained(str(warm_start(ws, log=log)), name), name)

@@ -33,6 +33,7 @@ import memory
 import planner
 import ppo
 import report
+import tiny_world
 from flags import InputError  # re-exported: callers catch train_gsm8k.InputError
 
 
@@ -85,6 +86,9 @@ class TrainConfig:
     """Tiny world only: supervised steps of the warm start (a cached checkpoint per setting)."""
     warm_start_seed: int = 0
     """Tiny world only: seed of the warm start. Fixed, so every --seed starts from one model."""
+    warm_start_slip: str = "answer"
+    """Tiny world only: the warm-start text's planted mistake, 'answer' or 'arithmetic' (a wrong
+    first calculator step carried to the answer: process supervision's fair test, docs/variants)."""
     eval_every: int = 0
     """Every this many steps, greedy accuracy on the first --eval-batch-size held-out problems
     (one batch; curves.png, --report-to). 0: only before and after. Presets set it."""
@@ -149,7 +153,8 @@ def parse_args(argv=None) -> tuple[TrainConfig, grpo.GRPOConfig, ppo.PPOConfig]:
     tcfg, gcfg, pcfg = flags.parse_configs(
         argv, CONFIGS, PRESETS, RESUME_MAY_CHANGE, checkpoint.saved_state,
         choices={"preset": list(PRESETS), "compile": ["auto", "on", "off"],
-                 "report_to": list(report.REPORT_TO), "template": list(gsm8k.TEMPLATES)},
+                 "report_to": list(report.REPORT_TO), "template": list(gsm8k.TEMPLATES),
+                 "warm_start_slip": list(tiny_world.SLIPS)},
         description="Train a causal LM with GRPO and report held-out accuracy before and after; "
                     "flags override --preset. Also: `plan --help` (fits a GPU?), `summarize DIRS`.")
     if gcfg.baseline == "critic" and (tcfg.resume or tcfg.lora_r or gcfg.dynamic_sampling):
@@ -179,11 +184,11 @@ def main(argv=None) -> dict:
     reward_funcs = gsm8k.reward_funcs_for(gcfg.supervision, tcfg.template)
     gsm8k.check_reward_funcs(reward_funcs, train_rows[:2], gcfg)
 
-    # Model: the policy, the frozen reference, AdamW (or all of a checkpoint's state).
-    import tiny_world  # --model (a hub id or a directory), else the tiny world's warm start
+    # Model: the policy (--model, else the tiny world's warm start), π_ref, AdamW (or a checkpoint)
     policy, tokenizer, model_name = ((*checkpoint.load_pretrained(tcfg.model), tcfg.model)
                                      if tcfg.model else tiny_world.load_warm_start(
-                                         tcfg.warm_start_steps, tcfg.warm_start_seed, tqdm.write))
+                                         tcfg.warm_start_steps, tcfg.warm_start_seed, tqdm.write,
+                                         tcfg.warm_start_slip))
     policy = grpo.disable_dropout(policy).to(device)
     # WHY after loading: building the tiny warm start reseeds torch; runs that load it must match
     #      (and LoRA's initial adapters are drawn from this seed).

@@ -56,7 +56,7 @@ def test_compare_runs_grpo_against_its_baselines_with_learning_curves(tmp_path, 
                            "--jobs", "2", "--out", str(out), "--", "--warm-start-steps", "5",
                            "--prompts-per-step", "2", "--group-size", "4",
                            "--max-new-tokens", "12"])
-    assert list(stats) == ablation.COMPARE == ["grpo", "ppo", "rloo", "reinforce"]
+    assert list(stats) == ablation.COMPARE == ["grpo", "ppo", "ppo_critic_lr", "rloo", "reinforce"]
     table = (out / "compare.md").read_text()
     assert all(f"| {name} |" in table for name in ablation.COMPARE) and "seconds per step" in table
     assert (out / "compare.png").stat().st_size > 10_000

@@ -131,6 +131,42 @@ def test_slips_answer_the_first_steps_result_and_never_reach_the_gold():
     assert tiny_world.solve(two_steps) == ("5*2=<<5*2=10>>10\n25+10=<<25+10=35>>35\n#### 35", 35)
 
 
+def test_arithmetic_slips_put_the_mistake_in_the_first_calculator_step():
+    """slip='arithmetic' (process supervision's fair test): 5*2 is written <<5*2=11>>11 and
+    carried on, 25+11=36, #### 36. Over 2,000 problems at slip_rate 1: every multi-step solution
+    without a later division has exactly its first step wrong and a wrong answer, so the step
+    reward (rewards.calculator_process_reward) scores [0, 1, ..., final 0] where the outcome
+    reward only says 0; the rest are the true solution. The default text is unchanged, and so is
+    the default warm start's cache key."""
+    import hashlib
+    import json as json_
+    import random
+    from dataclasses import asdict
+    import rewards
+    two_steps = [(5, "*", 2), (25, "+", tiny_world.P)]
+    assert tiny_world.solve(two_steps, 1.0, random.Random(0), "arithmetic") == (
+        "5*2=<<5*2=11>>11\n25+11=<<25+11=36>>36\n#### 36", 36)
+    clean = tiny_world.make_problems(2000, "train", seed=3)
+    slipped = tiny_world.make_problems(2000, "train", seed=3, slip_rate=1.0, slip="arithmetic")
+    n_slipped = 0
+    for c, s in zip(clean, slipped):
+        steps = rewards.calculator_process_reward([s["answer"]], [c["answer"]])[0]
+        if s["answer"] == c["answer"]:
+            assert all(r == 1.0 for _, r in steps)
+            assert len(steps) == 2 or "/" in "".join(c["answer"].split("\n")[1:-1])
+            continue
+        n_slipped += 1
+        assert [r for _, r in steps] == [0.0] + [1.0] * (len(steps) - 2) + [0.0], s["answer"]
+    assert n_slipped / 2000 > 0.4
+    with pytest.raises(ValueError, match="slip must be one of"):
+        tiny_world.solve(two_steps, 1.0, random.Random(0), "typo")
+    cfg = tiny_world.WarmStartConfig()
+    old_key = {k: v for k, v in asdict(cfg).items() if k != "slip"}
+    digest = hashlib.sha256(json_.dumps(old_key, sort_keys=True).encode()).hexdigest()[:12]
+    assert tiny_world.warm_start_key(cfg) == digest
+    assert tiny_world.warm_start_key(tiny_world.WarmStartConfig(slip="arithmetic")) != digest
+
+
 def test_slip_rate_sets_how_often_the_wrong_quantity_is_answered():
     """With slip_rate 0.6 a two-step solution answers its first result 60% of the time (binomial sd
     over 4,000 draws is 0.8 points, so 0.57-0.63 is about 4 sd)."""
