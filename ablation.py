@@ -54,6 +54,9 @@ VARIANTS = {
                 "process supervision (paper §4.1.3): calculator steps + final answer"),
     "beta0": (["--beta", "0"], "β = 0: no KL penalty, no reference model"),
     "mu2": (["--num-iterations", "2"], "μ = 2: two updates per batch of samples"),
+    "cispo_mu2": (["--loss-type", "cispo", "--clip-eps-high", "0.28", "--num-iterations", "2"],
+                  "CISPO (arXiv 2506.13585): clipped, detached IS weight x log π, token mean, "
+                  "ε_high 0.28, at μ = 2 (at μ = 1 its gradient is GRPO's token-level one)"),
     "sft_control": (None,
                     "control: the same wall time as grpo spent on more supervised steps, no RL"),
     # The baselines GRPO is measured against (baselines.py, ppo.py): --compare runs these four
@@ -66,9 +69,6 @@ VARIANTS = {
     "rloo": (["--baseline", "leave_one_out"],
              "RLOO (arXiv 2402.14740): the mean of the other G-1 rewards as the baseline"),
     "reinforce": (["--baseline", "none"], "REINFORCE: the reward itself, no baseline"),
-    "cispo_mu2": (["--loss-type", "cispo", "--clip-eps-high", "0.28", "--num-iterations", "2"],
-                  "CISPO (arXiv 2506.13585): clipped, detached IS weight x log π, token mean, "
-                  "ε_high 0.28, at μ = 2 (at μ = 1 its gradient is GRPO's token-level one)"),
 }
 # --compare: GRPO against the critic and the two critic-free baselines, with a learning curve
 COMPARE = ["grpo", "ppo", "ppo_critic_lr", "rloo", "reinforce"]
