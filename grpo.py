@@ -293,11 +293,10 @@ def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig, gr
     # NOTE: the fast paths live in engine.py (KV cache, one prefill per prompt, ready masks,
     #       compiled steps) and make exactly the draws of reference_decode above; cfg.sampler picks.
     decode = engine.in_batches(engine.DECODERS.get(cfg.sampler, reference_decode), cfg, pad_id)
-    was_training = model.training
-    model.eval()  # WHY: under gradient checkpointing, train mode turns the KV cache off.
-    completion_ids, sampler_logp = decode(model, prompt_ids, prompt_mask, G,
-                                          cfg.max_new_tokens, pick)                # (N, T) x2
-    model.train(was_training)
+    # WHY eval mode: under gradient checkpointing, train mode turns the KV cache off.
+    with engine.eval_mode(model):
+        completion_ids, sampler_logp = decode(model, prompt_ids, prompt_mask, G,
+                                              cfg.max_new_tokens, pick)            # (N, T) x2
 
     # NOTE: the rows come out grouped: completion n answers prompt n // G.
     completion_mask = completion_mask_from_ids(completion_ids, eos_ids)              # (N, T)

@@ -455,3 +455,29 @@ def test_the_agreement_metric_sees_a_sampler_that_differs(tiny, monkeypatch):
     assert m32["sampling/ratio_outside_0.9_1.1"] == 0
     assert m16["sampling/logp_difference/mean"] > 1000 * max(m32["sampling/logp_difference/mean"],
                                                              1e-9)
+
+
+def test_eval_mode_restores_each_modules_own_mode_and_skips_transformers_train(tiny,
+                                                                              monkeypatch):
+    """Inside engine.eval_mode every module is in eval mode; after it, each module is back in the
+    mode it had, a submodule that was in eval mode stays there (model.train(True) would have
+    flipped it), and so it is after an error inside the block. transformers' own
+    PreTrainedModel.train (which re-selects hub kernels, the cost eval_mode avoids) is not
+    called."""
+    from transformers import PreTrainedModel
+    _, model = tiny
+    model = copy.deepcopy(model).train()
+    frozen = model.model.layers[0].mlp
+    frozen.eval()
+    before = {name: m.training for name, m in model.named_modules()}
+    assert before[""] and not before["model.layers.0.mlp"]
+    calls = []
+    monkeypatch.setattr(PreTrainedModel, "train", lambda self, mode=True: calls.append(mode))
+    with engine.eval_mode(model):
+        assert not any(m.training for m in model.modules())
+    assert {name: m.training for name, m in model.named_modules()} == before
+    with pytest.raises(RuntimeError, match="inside"):
+        with engine.eval_mode(model):
+            raise RuntimeError("inside")
+    assert {name: m.training for name, m in model.named_modules()} == before
+    assert calls == []
