@@ -82,7 +82,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence, get_args
+from typing import Callable, Literal, Sequence, get_args, get_origin, get_type_hints
 
 import torch
 
@@ -168,18 +168,20 @@ class GRPOConfig:
     sample_batch_size: int = 0
     """Sample at most this many completions at a time (engine.in_batches), so the KV cache holds
     only theirs; other draws from the same seed, the same distribution. 0: all N at once."""
+    update_in_backward: bool = False
+    """Step AdamW on each weight inside backward and free its gradient at once, so the model's
+    gradients never exist together (memory.step_in_backward, LOMO): the same update, two backward
+    passes instead of one. Needs the whole batch in one micro-batch."""
 
     def __post_init__(self):
         """Settings that cannot work fail here, at construction, with one line naming the field."""
         def fail(name, rule):
             raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
 
-        for name, allowed in [("loss_type", LOSS_TYPES), ("supervision", ("outcome", "process")),
-                              ("importance_sampling_level", ("token", "sequence")),
-                              ("sampler", ("engine", "compiled", "reference")),
-                              ("baseline", ("group", "leave_one_out", "none", "critic"))]:
-            if getattr(self, name) not in allowed:
-                fail(name, f"one of {allowed}")
+        # NOTE: each Literal field (loss_type, baseline, sampler, ...) takes only its values.
+        for name, hint in get_type_hints(GRPOConfig).items():
+            if get_origin(hint) is Literal and getattr(self, name) not in get_args(hint):
+                fail(name, f"one of {get_args(hint)}")
         if self.group_size < 2:
             fail("group_size", "at least 2 (a group baseline needs 2)")
         if self.baseline != "group" and self.supervision == "process":
@@ -610,6 +612,17 @@ def micro_batches(batch: dict, size: int):
                   batch["completion_ids"][s], batch["completion_mask"][s])        # (n, T), (n, T)
 
 
+def first_update_sums(logp, entropy, sampler_logp, mask) -> torch.Tensor:
+    """Over a micro-batch's real tokens: Σ entropy, Σ |log π_θ - log π_sampler| and how many
+    tokens have π_θ/π_sampler outside [0.9, 1.1]; (n, T) each -> (3,) in float64.
+    NOTE: the policy scored twice, by the sampler (token by token, KV cache) and by the update:
+          equal to rounding in fp32; bf16 or a separate engine drift apart."""
+    real = mask.bool()                                                                # (n, T)
+    gap = torch.where(real, logp.detach() - sampler_logp, 0.0)                        # (n, T)
+    return torch.stack([torch.where(real, entropy, 0.0).sum(), gap.abs().sum(),
+                        ((gap.exp() - 1).abs() > 0.1).sum()]).double()                # (3,)
+
+
 def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOConfig) -> dict:
     """Algorithm 1's inner loop: μ optimizer steps on this batch, each over every micro-batch.
     logp_old is None when μ = 1 (π_old = π_θ). Returns loss, KL, clip, entropy and gradient stats,
@@ -629,7 +642,8 @@ def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOC
     weights = (tok_share if cfg.loss_type in ("token", "cispo")
                else [(s.stop - s.start) / mask.shape[0] for s in slices])
     # NOTE: stats gains kl and clip_ratio/*, each a token-weighted mean over the batch.
-    stats, entropy_sum, grad_norm, skipped, gaps = {"loss": 0.0}, 0.0, 0.0, 0, [0.0, 0.0]
+    # NOTE: sums (3,) collects first_update_sums over the first update's micro-batches.
+    stats, grad_norm, skipped, sums = {"loss": 0.0}, 0.0, 0, mask.new_zeros(3, dtype=torch.float64)
     for it in range(mu):
         optimizer.zero_grad(set_to_none=True)
         loss_this_update = 0.0
@@ -644,31 +658,30 @@ def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOC
                 clip_eps_high=cfg.clip_eps_high, beta=cfg.beta, loss_type=cfg.loss_type,
                 max_completion_length=cfg.max_new_tokens,
                 importance_sampling_level=cfg.importance_sampling_level)
-            (loss * w).backward()
+            if not cfg.update_in_backward:  # NOTE: else one backward below steps AdamW inside it
+                (loss * w).backward()
             loss_this_update += loss.item() * w
             for k, v in loss_parts.items():
                 stats[k] = stats.get(k, 0.0) + v * share / mu
             if it == 0:
-                entropy_sum += (entropy * mask[s].float()).sum().item()
-                # NOTE: the policy scored twice, by the sampler (token by token, KV cache) and
-                #       here: equal to rounding in fp32; bf16 or a separate engine drift apart.
-                diff = logp.detach() - batch["sampler_logp"][s]                       # (n, T)
-                gap = torch.where(mask[s].bool(), diff, 0.0)                # (n, T) real tokens
-                gaps[0] += gap.abs().sum().item()
-                gaps[1] += ((gap.exp() - 1).abs() > 0.1).sum().item()  # ratio outside [0.9, 1.1]
+                sums += first_update_sums(logp, entropy, batch["sampler_logp"][s], mask[s])  # (3,)
         stats["loss"] += loss_this_update / mu
-        # WHY: clip the norm of the summed gradient, after every micro-batch, as one batch would.
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm).item()
+        if cfg.update_in_backward:  # NOTE: memory.py: clip and AdamW inside the backward
+            grad_norm = memory.step_in_backward(policy.parameters(), optimizer, loss * w,
+                                                cfg.max_grad_norm, len(slices))
+        else:  # WHY: clip the norm of the summed gradient, as one whole batch would
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(),
+                                                       cfg.max_grad_norm).item()
         if math.isfinite(grad_norm) and math.isfinite(loss_this_update):
-            optimizer.step()
+            optimizer.step()  # NOTE: after update_in_backward no gradient is left: it moves nothing
         else:
             # WHY: one non-finite gradient would poison every weight through Adam's moments; skip
             #      the update, leave weights and optimizer state untouched, count it (metrics).
             skipped += 1
         optimizer.zero_grad(set_to_none=True)
-    n_tok = max(1.0, mask.sum().item())
-    stats.update({"entropy": entropy_sum / n_tok, "sampling/logp_difference/mean": gaps[0] / n_tok,
-                  "sampling/ratio_outside_0.9_1.1": gaps[1] / n_tok})
+    entropy, gap, outside = (sums / max(1.0, mask.sum().item())).tolist()
+    stats.update({"entropy": entropy, "sampling/logp_difference/mean": gap,
+                  "sampling/ratio_outside_0.9_1.1": outside})
     return {**stats, "grad_norm": grad_norm, "skipped_updates": skipped}
 
 

@@ -84,3 +84,55 @@ def offloaded(enabled: bool):
     if not enabled:
         return contextlib.nullcontext()
     return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+
+
+def step_in_backward(params, optimizer, loss, max_grad_norm: float,
+                     micro_batches: int = 1) -> float:
+    """Backward `loss` and take `optimizer`'s step on each parameter as soon as its gradient is
+    ready, then free that gradient, so the gradients of the whole model never exist at once
+    (LOMO, arXiv 2306.09782). Returns the gradient norm before clipping, as clip_grad_norm_.
+
+    The same update as backward, clip_grad_norm_ and optimizer.step() (tests/test_memory.py):
+    clipping needs the global norm before any weight moves, so it takes two backward passes over
+    one retained graph, as LOMO does: the first only measures each gradient's norm, the second
+    scales each gradient by the clip factor and steps. A non-finite loss or norm skips the second
+    pass, so nothing moves (policy_update counts the update skipped, as it would the plain one).
+    It saves memory, not time: the second backward costs what the first did (docs/memory.md).
+
+    NOTE: the step needs the whole update's gradient in one backward: one micro-batch (the
+          count policy_update passes; more is an error).
+    WHY it works: a parameter's gradient is accumulated only after every use of it has been
+          differentiated, so changing it in place then leaves the rest of backward untouched.
+    """
+    if micro_batches > 1:
+        raise ValueError(f"update_in_backward needs the whole batch in one micro-batch, got "
+                         f"{micro_batches}: raise micro_batch_size to the completions per step")
+    params = [p for p in params if p.requires_grad]
+    norms = {}
+
+    def measure(p):
+        # NOTE: clip_grad_norm_'s own arithmetic on a CPU: one 2-norm per tensor, then their norm.
+        norms[p] = torch.linalg.vector_norm(p.grad, 2.0)                              # ()
+        p.grad = None
+
+    def scale_and_step(p, coef):
+        p.grad.mul_(coef)
+        optimizer.step()  # NOTE: AdamW skips every parameter whose grad is None: this one moves
+        p.grad = None
+
+    def backward(hook, retain):
+        handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
+        try:
+            loss.backward(retain_graph=retain)
+        finally:
+            for h in handles:
+                h.remove()
+
+    backward(measure, retain=True)
+    total = torch.linalg.vector_norm(torch.stack([norms[p] for p in params if p in norms]), 2.0)
+    if not (torch.isfinite(total) and torch.isfinite(loss)):
+        return total.item()
+    # NOTE: torch's rule, as clip_grad_norm_ has it: coef = min(1, max_norm / (‖g‖ + 1e-6)).
+    coef = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)                       # ()
+    backward(lambda p: scale_and_step(p, coef), retain=False)
+    return total.item()

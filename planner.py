@@ -112,6 +112,7 @@ class StepSettings:
     logprob_chunk: int = 0
     sample_batch_size: int = 0
     offload_activations: bool = False
+    update_in_backward: bool = False
     lora_r: int = 0
     lora_target_modules: str = "all-linear"
 
@@ -175,6 +176,9 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
                                                                                  else 4)
     head_grad = h * V * 4 if head_trainable else 0
     later = -(-N // n) > 1 or s.num_iterations > 1         # a second micro-batch or epoch
+    # NOTE: memory.step_in_backward frees each gradient once its weight has stepped, so only the
+    #       output layer's, held until the embedding's adds to it, outlives its moment
+    later = later and not s.update_in_backward
     train = parts["activations"] + parts["logits"] + (parts["gradients"] if later else head_grad)
     if critic:  # NOTE: PPO: a value model the policy's size, a scalar head for the output layer
         c_params = shape.params - shape.head_params + h
@@ -193,6 +197,11 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
         "optimizer": parts["gradients"] + copies + (4 * shape.embed_params if head_trainable
                                                     else 0),
     }
+    if s.update_in_backward:
+        # WHY: no gradient outlives its step. The largest is the embedding's dense (V, h) one; a
+        #      tied output layer's waits for it, and the two are summed: two of them at once.
+        parts["gradients"] = 4 * shape.embed_params * (1 if shape.head_params else 2)
+        phases["optimizer"] = copies + (parts["gradients"] if head_trainable else 0)
     if critic:
         # WHY a phase of its own: ppo.Critic updates the value model after the policy, whose
         #      gradients are freed by then. (TRL's PPOTrainer backpropagates the summed losses of
@@ -227,6 +236,8 @@ def candidate_changes(s: StepSettings) -> list[tuple[str, str, object]]:
         ("--logprob-chunk 1024", "logprob_chunk", 1024, not s.logprob_chunk),
         (f"--micro-batch-size {max(1, n // 2)}", "micro_batch_size", max(1, n // 2), n > 1),
         ("--offload-activations", "offload_activations", True, not s.offload_activations),
+        ("--update-in-backward", "update_in_backward", True,
+         not s.update_in_backward and n == s.group_size * s.prompts_per_step),
         (f"--sample-batch-size {max(1, k // 2)}", "sample_batch_size", max(1, k // 2), k > 1),
     ] if useful]
 

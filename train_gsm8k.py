@@ -160,6 +160,9 @@ def parse_args(argv=None) -> tuple[TrainConfig, grpo.GRPOConfig, ppo.PPOConfig]:
     if gcfg.baseline == "critic" and (tcfg.resume or tcfg.lora_r or gcfg.dynamic_sampling):
         raise InputError("--baseline critic (PPO, ppo.py) trains every weight from the start: "
                          "not with --resume, --lora-r or --dynamic-sampling")
+    if gcfg.update_in_backward and gcfg.micro_batch_size < tcfg.prompts_per_step * gcfg.group_size:
+        raise InputError("--update-in-backward needs one micro-batch per update: --micro-batch-size"
+                         " must be at least --prompts-per-step x --group-size")
     return tcfg, gcfg, pcfg
 
 
@@ -197,9 +200,8 @@ def main(argv=None) -> dict:
     if tcfg.lora_r:  # only the adapters train (lora.py); with --bf16 the frozen base is bf16
         policy = lora.add_adapters(policy, tcfg.lora_r, tcfg.lora_alpha, tcfg.lora_target_modules,
                                    bf16_base=tcfg.bf16)
-    # PAPER: the reference is the model GRPO starts from; a resumed run rebuilds it the same way.
-    # WHY (memory): with LoRA that is the base, adapters off: no copy. A frozen copy under --bf16
-    #      needs no fp32 master weights.
+    # PAPER: the reference is the model GRPO starts from (a resumed run rebuilds it the same way).
+    # WHY (memory): with LoRA, the base with adapters off: no copy. Under --bf16, a bf16 copy.
     ref = (None if gcfg.beta == 0 else lora.AdaptersOff(policy) if tcfg.lora_r
            else grpo.make_reference(policy).to(torch.bfloat16 if tcfg.bf16 else torch.float32))
     out = Path(tcfg.resume or tcfg.out or f"runs/{tcfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -234,9 +236,8 @@ def main(argv=None) -> dict:
         tqdm.write(f"held-out greedy accuracy before GRPO: {state['evals'][0][1]:.3f} "
                    f"on {len(eval_rows)} problems")
 
-    # WHY: tiny-world problems come out of the generator in random order, --steps x
-    #      --prompts-per-step of them; keeping that order means a run resumed with more --steps sees
-    #      the same problems first. A file's rows are shuffled with the seed.
+    # WHY: tiny-world problems come out of the generator in random order; keeping it means a run
+    #      resumed with more --steps sees the same problems first. A file's rows are shuffled.
     order = (list(range(len(train_rows))) if tcfg.data == "tiny"
              else random.Random(tcfg.seed).sample(range(len(train_rows)), len(train_rows)))
 
@@ -256,8 +257,7 @@ def main(argv=None) -> dict:
         with autocast, memory.offloaded(tcfg.offload_activations):
             m = step_fn(policy, ref, optimizer, tokenizer, prompts, reward_funcs, gcfg,
                         columns=columns, return_samples=True, more_prompts=more_prompts)
-        samples = m.pop("samples")
-        m = {"step": step, **m}
+        samples, m = m.pop("samples"), {"step": step, **m}  # NOTE: left to right: no samples in m
         log.step(bar, m, samples, tcfg.steps, tcfg.sample_every, gcfg.group_size)
         if tcfg.eval_every and step % tcfg.eval_every == 0 and step < tcfg.steps:
             state["evals"].append((step, evaluate("eval", eval_rows[:tcfg.eval_batch_size])))

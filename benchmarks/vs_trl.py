@@ -120,7 +120,8 @@ def grpo_config(a):
                            min_new_tokens=a.tokens, beta=a.beta,
                            num_iterations=a.num_iterations, lr=a.lr,
                            micro_batch_size=a.prompts * a.group_size,
-                           sampler=engine.sampler_for(a.compile, "engine", 0))
+                           sampler=engine.sampler_for(a.compile, "engine", 0),
+                           update_in_backward=a.update_in_backward)
 
 
 def max_dropout(model) -> float:
@@ -265,7 +266,8 @@ def worker_cmd(a, side: str, model_dir: Path) -> list[str]:
     for k in ("threads", "group_size", "prompts", "tokens", "steps", "warmup", "beta",
               "num_iterations", "lr", "device", "compile"):
         flags += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
-    switches = [f"--{k.replace('_', '-')}" for k in ("bf16", "gradient_checkpointing")
+    switches = [f"--{k.replace('_', '-')}" for k in ("bf16", "gradient_checkpointing",
+                                                     "update_in_backward")
                 if getattr(a, k)]
     return [sys.executable, __file__, *flags, *switches]
 
@@ -309,6 +311,10 @@ def main(argv=None):
     p.add_argument("--compile", choices=["on", "off"], default="on",
                    help="our side's decode step under torch.compile with a static KV cache "
                         "(default on; its compile time is reported apart, as ours_compile_s)")
+    p.add_argument("--update-in-backward", action="store_true",
+                   help="our side only: AdamW steps each weight inside backward, so the "
+                        "gradients never exist together (memory.step_in_backward): the same "
+                        "update, a second backward pass, less memory (default off)")
     p.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -383,6 +389,9 @@ def main(argv=None):
         "work": f"G={a.group_size}, {a.prompts} prompts/step, {a.tokens} tokens, "
                 f"beta={a.beta}, mu={a.num_iterations}",
         "precision": "bf16 autocast" if a.bf16 else "fp32", "device": a.device,
+        # NOTE: how our side computes the same update, not a setting of the work: left out of
+        #       settings_differ on purpose.
+        "ours_update_in_backward": a.update_in_backward,
         "threads": a.threads, "rounds": a.rounds, "steps_per_round": a.steps, "warmup": a.warmup,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores"
                    + (f", {torch.cuda.get_device_name(a.device)}" if on_gpu else ""),
@@ -399,7 +408,8 @@ def main(argv=None):
     if on_gpu:
         rows.append(("peak GPU memory (MB)", result["ours_peak_gpu_mb"], result["trl_peak_gpu_mb"],
                      ".0f"))
-    print(f"\n| {model}, {result['work']}, {result['precision']} on {a.device}, "
+    how = ", ours stepping inside backward" if a.update_in_backward else ""
+    print(f"\n| {model}, {result['work']}, {result['precision']} on {a.device}{how}, "
           f"{a.threads} thread(s) "
           f"| ours | TRL GRPOTrainer | ours / TRL |\n|---|---|---|---|")
     for name, x, y, fmt in rows:

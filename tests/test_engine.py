@@ -135,13 +135,15 @@ def one_step(base, tok, sampler: str, checkpointing: bool = False):
 def test_a_whole_grpo_step_is_the_same_with_either_sampler(tiny):
     """One full grpo_step per sampler from the same seed and weights: every metric (but the time
     and the sampler-trainer agreement), every logged sample and every updated weight are equal.
-    The agreement measures the sampler itself: the reference sampler scores with the trainer's
-    very forward (a difference of exactly 0), the engine with its KV cache (rounding, ~1e-8)."""
+    The agreement measures the sampler itself: the reference sampler scores each prefix with
+    the trainer's forward (0 on the Intel Xeon; ~2e-8 on the AMD EPYC, whose matmul kernels round
+    a (P+t)-long input differently from the whole sequence), the engine with its KV cache
+    (rounding, ~1e-8)."""
     tok, base = tiny
     (m_fast, w_fast, _), (m_slow, w_slow, _) = (one_step(base, tok, s)
                                                 for s in ("engine", "reference"))
     gap = "sampling/logp_difference/mean"
-    assert m_slow[gap] == 0.0 and 0 <= m_fast[gap] < 1e-6
+    assert 0 <= m_slow[gap] < 1e-6 and 0 <= m_fast[gap] < 1e-6
     assert m_fast["sampling/ratio_outside_0.9_1.1"] == m_slow["sampling/ratio_outside_0.9_1.1"] == 0
     assert ({k: v for k, v in m_fast.items() if k != gap}
             == {k: v for k, v in m_slow.items() if k != gap}) and m_fast["reward_std"] > 0

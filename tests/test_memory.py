@@ -172,3 +172,98 @@ def test_offloaded_activations_give_the_same_gradients_and_are_really_offloaded(
 def test_logprob_chunk_must_not_be_negative():
     with pytest.raises(ValueError, match="logprob_chunk must be >= 0"):
         grpo.GRPOConfig(logprob_chunk=-1)
+
+
+def length_reward(completions, **_):
+    return [len(c) % 3 for c in completions]
+
+
+def two_steps(start, tok, update_in_backward, checkpointing=False, **kw):
+    """Two grpo_steps (μ = 2, so four AdamW steps) from `start`: (metrics, weights, AdamW state)."""
+    policy = grpo.disable_dropout(copy.deepcopy(start))
+    if checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=8, num_iterations=2, lr=1e-2,
+                          micro_batch_size=12, update_in_backward=update_in_backward, **kw)
+    ref, opt = grpo.make_reference(policy), grpo.make_optimizer(policy, cfg)
+    torch.manual_seed(1)
+    ms = [grpo.grpo_step(policy, ref, opt, tok, PROMPTS, [length_reward], cfg) for _ in range(2)]
+    state = [opt.state[p][k] for p in policy.parameters()
+             for k in ("exp_avg", "exp_avg_sq", "step")]
+    return ms, [p.detach().clone() for p in policy.parameters()], state
+
+
+@pytest.mark.parametrize("arch,kw", [
+    ("llama", dict(max_grad_norm=0.05)),    # the clip engages: every gradient is scaled
+    ("llama", dict(max_grad_norm=1e9)),     # it does not: the factor is 1
+    ("gpt2", dict(max_grad_norm=0.05)),     # tied input and output embeddings, one tensor
+    ("qwen2", dict(max_grad_norm=0.05, beta=0.0)),
+    ("llama", dict(max_grad_norm=0.05, logprob_chunk=5, checkpointing=True)),
+])
+def test_stepping_inside_backward_lands_on_the_same_weights_and_state(arch, kw):
+    """memory.step_in_backward (GRPOConfig.update_in_backward) against backward, clip_grad_norm_
+    and AdamW's step: two grpo_steps at μ = 2 give the same rewards, gradient norms and losses,
+    and bit for bit the same weights, AdamW moments and step counts. The same arithmetic in the
+    same order, only at other moments, so nothing may differ, not even in the last bit."""
+    tok = tiny_world.char_tokenizer()
+    start = model_for(arch, tok)
+    (m0, w0, s0), (m1, w1, s1) = (two_steps(start, tok, flag, **kw) for flag in (False, True))
+    assert not torch.equal(w0[0], next(start.parameters()))
+    for a, b in zip(m0, m1):
+        for key in ("reward", "grad_norm", "loss", "kl", "skipped_updates"):
+            assert a[key] == b[key], key
+    if kw["max_grad_norm"] < 1:
+        assert m0[-1]["grad_norm"] > kw["max_grad_norm"]  # so the clip really scaled
+    assert len(w0) == len(w1) and len(s0) == len(s1) > 0
+    for a, b in zip(w0 + s0, w1 + s1):
+        assert torch.equal(a, b)
+
+
+def test_inside_backward_at_most_one_gradient_exists_at_a_time():
+    """A probe hook, run before step_in_backward's own on every parameter, counts the parameters
+    holding a gradient: never more than the one just accumulated, in either pass, and none after.
+    The same probe on a plain backward sees them pile up, so it can tell the two apart."""
+    tok = tiny_world.char_tokenizer()
+    model = model_for("llama", tok)
+    params = list(model.parameters())
+    b = batch_of(model, tok)
+    seen = []
+    for p in params:
+        p.register_post_accumulate_grad_hook(
+            lambda _: seen.append(sum(q.grad is not None for q in params)))
+
+    def loss():
+        return grpo.token_logprobs(model, *inputs(b), 1.0, False).sum()
+
+    loss().backward()
+    assert max(seen) == len(params)
+    model.zero_grad(set_to_none=True)
+    seen.clear()
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    assert memory.step_in_backward(params, opt, loss(), max_grad_norm=1.0) > 0
+    assert len(seen) == 2 * len(params) and max(seen) == 1
+    assert all(p.grad is None for p in params)
+    assert all(opt.state[p]["step"] == 1 for p in params)
+
+
+def test_a_non_finite_loss_inside_backward_moves_nothing():
+    tok = tiny_world.char_tokenizer()
+    model = model_for("llama", tok)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    b = batch_of(model, tok)
+    loss = grpo.token_logprobs(model, *inputs(b), 1.0, False).sum() * float("nan")
+    memory.step_in_backward(model.parameters(), opt, loss, max_grad_norm=1.0)
+    assert not opt.state
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_update_in_backward_with_more_than_one_micro_batch_is_refused():
+    tok = tiny_world.char_tokenizer()
+    policy = model_for("llama", tok)
+    cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=4, micro_batch_size=5, beta=0.0,
+                          update_in_backward=True)
+    with pytest.raises(ValueError, match=r"in one micro-batch, got 3: raise micro_batch_size"):
+        grpo.grpo_step(policy, None, grpo.make_optimizer(policy, cfg), tok, PROMPTS,
+                       [length_reward], cfg)
