@@ -56,9 +56,11 @@ def reset_peak():
 
 def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads: int,
             beta: float = 0.04, gradient_checkpointing: bool = False, logprob_chunk: int = 0,
-            lora_r: int = 0, baseline: str = "group") -> dict:
+            lora_r: int = 0, baseline: str = "group", update_in_backward: bool = False) -> dict:
     """Persistent memory by part and each phase's peak in step 2 of grpo_step, in MB.
-    baseline='critic': PPO's step (ppo.Critic) instead, with its value model and AdamW state."""
+    baseline='critic': PPO's step (ppo.Critic) instead, with its value model and AdamW state.
+    update_in_backward: AdamW steps inside backward (memory.step_in_backward), which is then one
+    phase with it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     import engine
@@ -82,7 +84,8 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
     out["weights_mb"] = status_mb("VmRSS") - out["baseline_mb"]
     cfg = grpo.GRPOConfig(group_size=group_size, max_new_tokens=tokens, min_new_tokens=tokens,
                           beta=beta, lr=1e-4, micro_batch_size=prompts * group_size,
-                          sampler="engine", logprob_chunk=logprob_chunk, baseline=baseline)
+                          sampler="engine", logprob_chunk=logprob_chunk, baseline=baseline,
+                          update_in_backward=update_in_backward)
     before = status_mb("VmRSS")
     ref = (None if not beta else lora.AdaptersOff(policy) if lora_r
            else grpo.make_reference(policy))
@@ -112,7 +115,8 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
     grpo.fixed_logprobs = phase("reference log-probs", real[1])
     grpo.token_logprobs = phase("training forward", real[2])
     torch.Tensor.backward = phase("backward", real[3])
-    opt.step = phase("optimizer step", opt.step)
+    if not update_in_backward:  # WHY: inside backward, a phase of its own would reset its peak
+        opt.step = phase("optimizer step", opt.step)
     if critic:  # PPO: the value model's own AdamW step
         critic.optimizer.step = phase("optimizer step", critic.optimizer.step)
     rows = rows_for(2 * prompts)
@@ -137,12 +141,13 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
     out["peak_mb"] = out["baseline_mb"] + out["peak_over_baseline_mb"]
     out["trainable"], out["parameters"] = lora.trainable_share(policy)
     out.update(gradient_checkpointing=gradient_checkpointing, logprob_chunk=logprob_chunk,
-               lora_r=lora_r, baseline=baseline)
+               lora_r=lora_r, baseline=baseline, update_in_backward=update_in_backward)
     # The planner's prediction for the same step (planner.py), from the config alone
     import planner
     prompt_tokens = planner.prompt_tokens_of(tok, [r["prompt"] for r in rows[prompts:]])  # step 2
     settings = planner.settings_of(cfg, prompt_tokens, prompts_per_step=prompts,
-                                   gradient_checkpointing=gradient_checkpointing, lora_r=lora_r)
+                                   gradient_checkpointing=gradient_checkpointing, lora_r=lora_r,
+                                   update_in_backward=update_in_backward)
     plan = planner.step_memory(planner.model_shape(lora.unwrap(policy).config), settings,
                                critic=critic is not None)
     out.update(planned_peak_mb=plan["peak"] / 2**20, planned_phase=plan["peak_phase"],
@@ -195,11 +200,14 @@ def main(argv=None):
                    help="LoRA rank, alpha 2r, all linear layers (lora.py; default 0: off)")
     p.add_argument("--baseline", choices=["group", "critic"], default="group",
                    help="'critic': PPO's step with its value model (ppo.py) instead of GRPO's")
+    p.add_argument("--update-in-backward", action="store_true",
+                   help="AdamW steps each weight inside backward (memory.step_in_backward)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--plan-check", metavar="SIZES",
                    help="measure planner.py's prediction against these sizes (comma-separated "
                         f"names from {', '.join(SIZES)}, or 'all'), each full, LoRA r 16, "
-                        "log-prob chunk 64 and checkpointed; exit 1 if one is off by > 15%%")
+                        "log-prob chunk 64, checkpointed, PPO + critic and stepped in backward; "
+                        "exit 1 if one is off by > 15%%")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # a model dir: measure once, print JSON
     a = p.parse_args(argv)
     if not STATUS.exists():
@@ -214,7 +222,8 @@ def main(argv=None):
     if a.worker:
         with contextlib.redirect_stdout(sys.stderr):
             res = measure(a.worker, a.group_size, a.prompts, a.tokens, a.threads, a.beta,
-                          a.gradient_checkpointing, a.logprob_chunk, a.lora_r, a.baseline)
+                          a.gradient_checkpointing, a.logprob_chunk, a.lora_r, a.baseline,
+                          a.update_in_backward)
         print(json.dumps(res))
         return res
     # WHY a fresh process: building the model here leaves freed memory behind in this one, which
@@ -249,7 +258,8 @@ SIZES = {  # name: this script's flags for it
 }
 VARIANTS = {"full": [], "LoRA r 16": ["--lora-r", "16"], "chunk 64": ["--logprob-chunk", "64"],
             "checkpointed": ["--gradient-checkpointing"],
-            "PPO + critic": ["--baseline", "critic"]}
+            "PPO + critic": ["--baseline", "critic"],
+            "stepped in backward": ["--update-in-backward"]}
 
 
 def plan_check(sizes: str, threads: int) -> list[dict]:
