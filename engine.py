@@ -349,14 +349,22 @@ def compile_seconds() -> float:
     return sum(sum(spent.get(k, [])) for k in ("_compile.compile_inner", "backward._backward_impl"))
 
 
-def compile_layers(sampler: str, *models) -> int:
+def compile_layers(sampler: str, *models, retain_graph: bool = False) -> int:
     """With the 'compiled' sampler, also compile each model's decoder layers (regional
     compilation: one graph serves every layer of a model, forward and backward), so the
     training and reference passes run fused kernels too. Returns how many layers it compiled.
+    retain_graph: backward runs twice over one graph (GRPOConfig.update_in_backward): no
+    layer is compiled then.
     WHY dynamic=True: training sequences change length every step; one graph takes them all.
     NOTE: loss and gradients match eager within float tolerance (tests/test_engine.py)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
     if sampler != "compiled":
+        return 0
+    if retain_graph:
+        # WHY: memory.step_in_backward runs backward twice over one graph. A compiled layer's
+        #      backward refuses that (it reuses the buffers it saved), and with that reuse turned
+        #      off its second pass gave wrong gradients for some weights here (torch 2.13, CPU;
+        #      tests/test_engine.py). Decoding is still compiled; the layers stay eager.
         return 0
     # WHY a dict: lora.AdaptersOff(policy) as π_ref has the policy's own layers; each is compiled
     #      once.

@@ -121,7 +121,8 @@ def grpo_config(a):
                            num_iterations=a.num_iterations, lr=a.lr,
                            micro_batch_size=a.prompts * a.group_size,
                            sampler=engine.sampler_for(a.compile, "engine", 0),
-                           update_in_backward=a.update_in_backward)
+                           update_in_backward=a.update_in_backward,
+                           logprob_chunk=a.logprob_chunk)
 
 
 def max_dropout(model) -> float:
@@ -192,7 +193,8 @@ def run_ours(a) -> dict:
     policy.train()
     cfg = grpo_config(a)
     ref = grpo.make_reference(policy) if a.beta else None
-    engine.compile_layers(cfg.sampler, policy, ref)  # --compile on: as train_gsm8k.py does it
+    # --compile on: as train_gsm8k.py does it
+    engine.compile_layers(cfg.sampler, policy, ref, retain_graph=cfg.update_in_backward)
     opt = grpo.make_optimizer(policy, cfg)
     rows = rows_for(a.steps * a.prompts)
     # WHY: fp32 weights with bf16 autocast, as train_gsm8k.py --bf16 and TRL's bf16=True both do.
@@ -264,7 +266,7 @@ def run_trl(a) -> dict:
 def worker_cmd(a, side: str, model_dir: Path) -> list[str]:
     flags = ["--worker", side, "--model-dir", str(model_dir)]
     for k in ("threads", "group_size", "prompts", "tokens", "steps", "warmup", "beta",
-              "num_iterations", "lr", "device", "compile"):
+              "num_iterations", "lr", "device", "compile", "logprob_chunk"):
         flags += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     switches = [f"--{k.replace('_', '-')}" for k in ("bf16", "gradient_checkpointing",
                                                      "update_in_backward")
@@ -272,9 +274,11 @@ def worker_cmd(a, side: str, model_dir: Path) -> list[str]:
     return [sys.executable, __file__, *flags, *switches]
 
 
-def run_worker(cmd: list[str]) -> dict:
+def run_worker(cmd: list[str], threshold: int = 0) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "OMP_NUM_THREADS": cmd[cmd.index("--threads") + 1]}
+    if threshold:  # NOTE: both sides alike; glibc reads it at process start (docs/memory.md)
+        env["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0:
         worker = cmd[cmd.index("--worker") + 1]
@@ -315,9 +319,19 @@ def main(argv=None):
                    help="our side only: AdamW steps each weight inside backward, so the "
                         "gradients never exist together (memory.step_in_backward): the same "
                         "update, a second backward pass, less memory (default off)")
+    p.add_argument("--logprob-chunk", type=int, default=0,
+                   help="our side only: log-probs through the output layer this many tokens at "
+                        "a time (memory.py), the same numbers without a micro-batch's whole "
+                        "logits (default 0: off)")
+    p.add_argument("--malloc-mmap-threshold", type=int, default=0, metavar="BYTES",
+                   help="both sides: glibc gives freed blocks over BYTES back to the system "
+                        "(MALLOC_MMAP_THRESHOLD_), so peak RSS follows live tensors rather than "
+                        "the allocator's reuse cache (default 0: glibc's own rule)")
     p.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.malloc_mmap_threshold < 0:
+        p.error(f"--malloc-mmap-threshold must be >= 0, got {a.malloc_mmap_threshold}")
     if a.steps <= a.warmup:
         p.error(f"--steps ({a.steps}) must be larger than --warmup ({a.warmup})")
     try:
@@ -351,7 +365,8 @@ def main(argv=None):
         runs = {"ours": [], "trl": []}
         for r in range(a.rounds):
             for side in ("ours", "trl"):
-                res = run_worker(worker_cmd(a, side, Path(tmp) / "model"))
+                res = run_worker(worker_cmd(a, side, Path(tmp) / "model"),
+                                 a.malloc_mmap_threshold)
                 runs[side].append(res)
                 median = median_step(res)
                 gpu = f", peak GPU {res['peak_gpu_mb']:.0f} MB" if "peak_gpu_mb" in res else ""
@@ -391,7 +406,8 @@ def main(argv=None):
         "precision": "bf16 autocast" if a.bf16 else "fp32", "device": a.device,
         # NOTE: how our side computes the same update, not a setting of the work: left out of
         #       settings_differ on purpose.
-        "ours_update_in_backward": a.update_in_backward,
+        "ours_update_in_backward": a.update_in_backward, "ours_logprob_chunk": a.logprob_chunk,
+        "malloc_mmap_threshold": a.malloc_mmap_threshold or "glibc default",
         "threads": a.threads, "rounds": a.rounds, "steps_per_round": a.steps, "warmup": a.warmup,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores"
                    + (f", {torch.cuda.get_device_name(a.device)}" if on_gpu else ""),
@@ -408,7 +424,10 @@ def main(argv=None):
     if on_gpu:
         rows.append(("peak GPU memory (MB)", result["ours_peak_gpu_mb"], result["trl_peak_gpu_mb"],
                      ".0f"))
-    how = ", ours stepping inside backward" if a.update_in_backward else ""
+    how = (", ours stepping inside backward" if a.update_in_backward else "") + (
+        f", ours in log-prob chunks of {a.logprob_chunk}" if a.logprob_chunk else "") + (
+        f", MALLOC_MMAP_THRESHOLD_={a.malloc_mmap_threshold} on both" if a.malloc_mmap_threshold
+        else "")
     print(f"\n| {model}, {result['work']}, {result['precision']} on {a.device}{how}, "
           f"{a.threads} thread(s) "
           f"| ours | TRL GRPOTrainer | ours / TRL |\n|---|---|---|---|")

@@ -114,7 +114,7 @@ def contains_a(completions, **kw):
     return [float("a" in c) for c in completions]
 
 
-def one_step(base, tok, sampler: str, checkpointing: bool = False):
+def one_step(base, tok, sampler: str, checkpointing: bool = False, **config):
     """One grpo_step with this sampler from a copy of base's weights, seed 0: (its metrics, the
     step time left out, with the samples; the updated weights; how many layers were compiled).
     With the 'compiled' sampler the decoder layers are compiled too, as train_gsm8k.py does."""
@@ -122,9 +122,9 @@ def one_step(base, tok, sampler: str, checkpointing: bool = False):
     if checkpointing:
         engine.enable_activation_checkpointing(policy)
     policy.train()
-    cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=12, lr=1e-2, sampler=sampler)
+    cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=12, lr=1e-2, sampler=sampler, **config)
     ref = grpo.make_reference(policy)
-    n_compiled = engine.compile_layers(sampler, policy, ref)
+    n_compiled = engine.compile_layers(sampler, policy, ref, retain_graph=cfg.update_in_backward)
     torch.manual_seed(0)
     m = grpo.grpo_step(policy, ref, grpo.make_optimizer(policy, cfg), tok, ["Q1", "Q22"],
                        [contains_a], cfg, return_samples=True)
@@ -367,17 +367,22 @@ def test_compile_auto_turns_on_where_the_decode_steps_pay_for_it():
     assert engine.sampler_for("off", "reference", 1) == "reference"
 
 
-@pytest.mark.parametrize("checkpointing", [False, pytest.param(True, marks=pytest.mark.slow)],
-                         ids=["plain", "checkpointing"])
-def test_compiled_layers_give_the_eager_step_within_float_tolerance(tiny, checkpointing):
+@pytest.mark.parametrize("checkpointing,in_backward",
+                         [(False, False), pytest.param(True, False, marks=pytest.mark.slow),
+                          (False, True)], ids=["plain", "checkpointing", "update-in-backward"])
+def test_compiled_layers_give_the_eager_step_within_float_tolerance(tiny, checkpointing,
+                                                                     in_backward):
     """One whole grpo_step with --compile on (compiled decoding and compiled decoder layers, as
     train_gsm8k.py sets them) against the eager step, from the same seed and weights: the same
     tokens, the same metrics and the same updated weights, within float tolerance (the fused
-    kernels round differently). With gradient checkpointing too."""
+    kernels round differently). With gradient checkpointing too, and with AdamW stepped inside
+    backward (two backward passes over one compiled graph: torch refuses that where the compiled
+    backward refuses) against the plain eager update: decoding compiled, the layers left eager."""
     tok, base = tiny
-    (fast, w_fast, n_fast), (slow, w_slow, n_slow) = (one_step(base, tok, s, checkpointing)
-                                                      for s in ("compiled", "engine"))
-    assert (n_fast, n_slow) == (4, 0)
+    (fast, w_fast, n_fast), (slow, w_slow, n_slow) = (
+        one_step(base, tok, s, checkpointing, **({"update_in_backward": True} if fast else {}))
+        for s, fast in (("compiled", in_backward), ("engine", False)))
+    assert (n_fast, n_slow) == (0 if in_backward else 4, 0)
     assert [s["completion"] for s in fast["samples"]] == [s["completion"] for s in slow["samples"]]
     assert slow["reward_std"] > 0 and slow["grad_norm"] > 0
     for key in ("loss", "kl", "entropy", "grad_norm", "reward"):

@@ -180,7 +180,7 @@ def test_prediction_within_15_percent_of_measured_steps():
     (ppo.py) and AdamW inside backward (memory.step_in_backward), each a real step's peak within
     15% of the plan (docs/memory.md has larger sizes)."""
     proc = subprocess.run([sys.executable, "benchmarks/memory_parts.py", "--plan-check",
-                           "llama-h256"], cwd=ROOT, capture_output=True, text=True)
+                           "llama-h256", "--jobs", "2"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(res["plan_check"]) == 6 and res["within_15pct"]
