@@ -349,18 +349,17 @@ def compile_seconds() -> float:
     return sum(sum(spent.get(k, [])) for k in ("_compile.compile_inner", "backward._backward_impl"))
 
 
-def compile_layers(sampler: str, *models, retain_graph: bool = False) -> int:
-    """With the 'compiled' sampler, also compile each model's decoder layers (regional
-    compilation: one graph serves every layer of a model, forward and backward), so the
-    training and reference passes run fused kernels too. Returns how many layers it compiled.
-    retain_graph: backward runs twice over one graph (GRPOConfig.update_in_backward): no
-    layer is compiled then.
+def compile_layers(cfg, *models) -> int:
+    """With the 'compiled' sampler (cfg: a grpo.GRPOConfig), also compile each model's decoder
+    layers (regional compilation: one graph serves every layer of a model, forward and backward),
+    so the training and reference passes run fused kernels too. Returns how many layers it
+    compiled: none under cfg.update_in_backward, whose backward runs twice over one graph.
     WHY dynamic=True: training sequences change length every step; one graph takes them all.
     NOTE: loss and gradients match eager within float tolerance (tests/test_engine.py)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
-    if sampler != "compiled":
+    if cfg.sampler != "compiled":
         return 0
-    if retain_graph:
+    if cfg.update_in_backward:
         # WHY: memory.step_in_backward runs backward twice over one graph. A compiled layer's
         #      backward refuses that (it reuses the buffers it saved), and with that reuse turned
         #      off its second pass gave wrong gradients for some weights here (torch 2.13, CPU;

@@ -219,7 +219,7 @@ def main(argv=None) -> dict:
     policy.train()
     # PPO (--baseline critic) swaps in its step, which trains a value model beside the policy.
     step_fn = ppo.Critic(policy, gcfg, pcfg) if gcfg.baseline == "critic" else grpo.grpo_step
-    engine.compile_layers(gcfg.sampler, policy, ref, retain_graph=gcfg.update_in_backward)
+    engine.compile_layers(gcfg, policy, ref)  # with compiled decoding: the layers too
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=tcfg.bf16)
     n_params = sum(p.numel() for p in policy.parameters()) / 1e6
     tqdm.write(f"model: {model_name} ({n_params:.2f} M parameters) on {device}; data: {tcfg.data} "

@@ -111,8 +111,7 @@ def profile(model_dir: str, group_size: int, prompts: int, tokens: int, steps: i
                           num_iterations=num_iterations, lr=1e-4,
                           micro_batch_size=prompts * group_size, sampler=sampler)
     ref = grpo.make_reference(policy) if beta else None
-    # --compile on: as train_gsm8k.py does it
-    engine.compile_layers(cfg.sampler, policy, ref, retain_graph=cfg.update_in_backward)
+    engine.compile_layers(cfg, policy, ref)  # --compile on: as train_gsm8k.py does it
     opt = grpo.make_optimizer(policy, cfg)
 
     spent = dict.fromkeys(PARTS, 0.0)

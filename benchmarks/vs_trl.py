@@ -193,8 +193,7 @@ def run_ours(a) -> dict:
     policy.train()
     cfg = grpo_config(a)
     ref = grpo.make_reference(policy) if a.beta else None
-    # --compile on: as train_gsm8k.py does it
-    engine.compile_layers(cfg.sampler, policy, ref, retain_graph=cfg.update_in_backward)
+    engine.compile_layers(cfg, policy, ref)  # --compile on: as train_gsm8k.py does it
     opt = grpo.make_optimizer(policy, cfg)
     rows = rows_for(a.steps * a.prompts)
     # WHY: fp32 weights with bf16 autocast, as train_gsm8k.py --bf16 and TRL's bf16=True both do.
@@ -424,10 +423,11 @@ def main(argv=None):
     if on_gpu:
         rows.append(("peak GPU memory (MB)", result["ours_peak_gpu_mb"], result["trl_peak_gpu_mb"],
                      ".0f"))
-    how = (", ours stepping inside backward" if a.update_in_backward else "") + (
-        f", ours in log-prob chunks of {a.logprob_chunk}" if a.logprob_chunk else "") + (
-        f", MALLOC_MMAP_THRESHOLD_={a.malloc_mmap_threshold} on both" if a.malloc_mmap_threshold
-        else "")
+    how = "".join(f", {part}" for part, on in [
+        ("ours stepping inside backward", a.update_in_backward),
+        (f"ours in log-prob chunks of {a.logprob_chunk}", a.logprob_chunk),
+        (f"MALLOC_MMAP_THRESHOLD_={a.malloc_mmap_threshold} on both", a.malloc_mmap_threshold)]
+        if on)
     print(f"\n| {model}, {result['work']}, {result['precision']} on {a.device}{how}, "
           f"{a.threads} thread(s) "
           f"| ours | TRL GRPOTrainer | ours / TRL |\n|---|---|---|---|")

@@ -124,7 +124,7 @@ def one_step(base, tok, sampler: str, checkpointing: bool = False, **config):
     policy.train()
     cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=12, lr=1e-2, sampler=sampler, **config)
     ref = grpo.make_reference(policy)
-    n_compiled = engine.compile_layers(sampler, policy, ref, retain_graph=cfg.update_in_backward)
+    n_compiled = engine.compile_layers(cfg, policy, ref)
     torch.manual_seed(0)
     m = grpo.grpo_step(policy, ref, grpo.make_optimizer(policy, cfg), tok, ["Q1", "Q22"],
                        [contains_a], cfg, return_samples=True)
@@ -376,8 +376,8 @@ def test_compiled_layers_give_the_eager_step_within_float_tolerance(tiny, checkp
     train_gsm8k.py sets them) against the eager step, from the same seed and weights: the same
     tokens, the same metrics and the same updated weights, within float tolerance (the fused
     kernels round differently). With gradient checkpointing too, and with AdamW stepped inside
-    backward (two backward passes over one compiled graph: torch refuses that where the compiled
-    backward refuses) against the plain eager update: decoding compiled, the layers left eager."""
+    backward against the plain eager update: there decoding is compiled and the layers stay
+    eager, since a compiled layer's backward refuses the second pass over its graph."""
     tok, base = tiny
     (fast, w_fast, n_fast), (slow, w_slow, n_slow) = (
         one_step(base, tok, s, checkpointing, **({"update_in_backward": True} if fast else {}))
