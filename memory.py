@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import lora
@@ -36,8 +37,105 @@ def backbone_and_head(model):
     return base.base_model, base.get_output_embeddings()
 
 
+def _logits(h, weight, temperature: float):
+    """The output layer's logits over the temperature, in fp32: (c, H), (V, H) -> (c, V).
+    NOTE: `weight` is already in the dtype the layer computes in (bf16 under autocast)."""
+    return F.linear(h.to(weight.dtype), weight).float() / temperature                 # (c, V)
+
+
+class _LinearLogp(torch.autograd.Function):
+    """log π(id | h) through a bias-free output layer z = h Wᵀ / temperature, `chunk` rows at a
+    time, with its backward written out, so that only one chunk's (c, V) logits exist at a time
+    and the weight's gradient is summed into one (V, H) tensor. (Through autograd, each chunk's
+    backward would make a whole (V, H) gradient of its own before adding it in: 545 MB at Qwen's
+    vocabulary, and a second one at the peak.) Forward: h (N, H), W (V, H), ids (N,) ->
+    logp (N,), entropy (N,) (no gradient; empty unless asked for)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, ids, temperature, chunk, with_entropy, sink):
+        dt = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(
+            h.device.type) else weight.dtype
+        w = weight.to(dt)                                                             # (V, H)
+        logp, lse, entropy = [], [], []
+        for i in range(0, h.shape[0], chunk):
+            z = _logits(h[i:i + chunk], w, temperature)                               # (c, V)
+            lse.append(torch.logsumexp(z, dim=-1))                                    # (c,)
+            logp.append(z.gather(-1, ids[i:i + chunk, None]).squeeze(-1) - lse[-1])   # (c,)
+            if with_entropy:  # NOTE: H = logsumexp(z) - Σ_v p_v z_v, as in grpo.token_logprobs
+                entropy.append(lse[-1] - (torch.softmax(z, dim=-1) * z).sum(-1))      # (c,)
+        lse = torch.cat(lse)                                                          # (N,)
+        entropy = torch.cat(entropy) if with_entropy else lse.new_empty(0)            # (N,)
+        ctx.save_for_backward(h, weight, ids, lse)
+        ctx.dt, ctx.temperature, ctx.chunk, ctx.sink = dt, temperature, chunk, sink
+        ctx.mark_non_differentiable(entropy)
+        return torch.cat(logp), entropy                                               # (N,) x2
+
+    @staticmethod
+    def backward(ctx, grad_logp, _):
+        h, weight, ids, lse = ctx.saved_tensors
+        w = weight.to(ctx.dt)                                                         # (V, H)
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None             # (N, H)
+        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None        # (V, H)
+        for i in range(0, h.shape[0], ctx.chunk):
+            s, hs, gs = slice(i, i + ctx.chunk), h[i:i + ctx.chunk], grad_logp[i:i + ctx.chunk]
+            # PAPER (the log-softmax's gradient): ∂ log p_o / ∂ z_v = 1[v = o] - p_v, p = softmax(z)
+            g = (_logits(hs, w, ctx.temperature) - lse[s, None]).exp_()               # (c, V) p
+            g.mul_(-gs[:, None]).scatter_add_(1, ids[s, None], gs[:, None].float())   # (c, V)
+            g.div_(ctx.temperature)  # NOTE: now ∂loss/∂(h Wᵀ), through z = h Wᵀ / temperature
+            if grad_h is not None:
+                grad_h[s] = (g.to(w.dtype) @ w).to(h.dtype)                           # (c, H)
+            if grad_w is not None:
+                grad_w.addmm_(g.t().to(grad_w.dtype), hs.to(grad_w.dtype))            # (V, H)
+        if grad_w is not None and ctx.sink is not None:  # NOTE: for _TiedEmbedding's rows
+            ctx.sink.append(grad_w)
+        return grad_h, grad_w, None, None, None, None, None
+
+
+class _TiedEmbedding(torch.autograd.Function):
+    """The input embedding of a weight tied to the output layer, whose gradient is added in place
+    into the output layer's (V, H) gradient: (n, L) ids, (V, H) weight -> (n, L, H).
+    WHY (memory): autograd would build a second dense (V, H) gradient here, or sum a sparse one
+    into a new (V, H) tensor: 545 MB more for a moment at Qwen's vocabulary, at backward's peak.
+    NOTE: _LinearLogp's backward, which always runs first (every layer lies between the two),
+          leaves its (V, H) gradient in `sink`; this backward adds the embedding's rows into that
+          very tensor, which autograd still holds for the weight, and passes no gradient of its
+          own. So the weight's hooks fire once, on one dense gradient holding both parts. With
+          nothing in `sink` (another output layer), it returns its own dense gradient."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, sink, padding_idx):
+        ctx.save_for_backward(ids)
+        ctx.sink, ctx.padding_idx, ctx.like = sink, padding_idx, weight
+        return F.embedding(ids, weight, padding_idx)                                  # (n, L, H)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ids, = ctx.saved_tensors
+        ids, grad = ids.reshape(-1), grad.reshape(ids.numel(), -1)                    # (m,), (m, H)
+        if ctx.padding_idx is not None:  # NOTE: as nn.Embedding: the pad row gets no gradient
+            real = ids != ctx.padding_idx                                             # (m,)
+            ids, grad = ids[real], grad[real]
+        sunk = bool(ctx.sink)
+        out = ctx.sink.pop() if sunk else torch.zeros_like(ctx.like)                  # (V, H)
+        out.index_add_(0, ids, grad.to(out.dtype))
+        return None, None if sunk else out, None, None
+
+
+def _embeddings(model, input_ids, sink):
+    """The input embeddings through _TiedEmbedding where they are tied to a trained output layer,
+    else None (the model embeds input_ids itself). (n, L) -> (n, L, H)."""
+    base = lora.unwrap(model)
+    emb, head = base.get_input_embeddings(), base.get_output_embeddings()
+    if not (torch.is_grad_enabled() and type(emb) is torch.nn.Embedding
+            and emb.max_norm is None and not emb.scale_grad_by_freq
+            and emb.weight.requires_grad and emb.weight is getattr(head, "weight", None)):
+        return None
+    return _TiedEmbedding.apply(input_ids, emb.weight, sink, emb.padding_idx)         # (n, L, H)
+
+
 def _chunk_logp(head, h, ids, temperature: float, with_entropy: bool):
-    """log-probs (and, without gradient, entropies) of `ids` from hidden states h: (c, H), (c,)."""
+    """log-probs (and, without gradient, entropies) of `ids` through any output layer: the
+    general path, for layers _LinearLogp does not cover. (c, H), (c,) -> (c,) [, (c,)]."""
     logits = head(h).float() / temperature                                           # (c, V)
     lse = torch.logsumexp(logits, dim=-1)                                             # (c,)
     logp = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - lse                     # (c,)
@@ -60,11 +158,19 @@ def token_logprobs_chunked(model, input_ids, attention_mask, position_ids, compl
             return token_logprobs_chunked(model.policy, input_ids, attention_mask, position_ids,
                                           completion_ids, temperature, with_entropy, chunk)
     backbone, head = backbone_and_head(model)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids, use_cache=False).last_hidden_state   # (n, P+T, H)
+    sink = []  # NOTE: the output layer's gradient, handed on to a tied input embedding
+    embeds = _embeddings(model, input_ids, sink)                                      # (n, P+T, H)
+    hidden = backbone(input_ids=None if embeds is not None else input_ids, inputs_embeds=embeds,
+                      attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=False).last_hidden_state                              # (n, P+T, H)
     # NOTE: the hidden state at position t predicts token t+1: the completion's are one to the left.
     h = hidden[:, -(T + 1):-1, :].reshape(n * T, -1)                                  # (n*T, H)
     ids = completion_ids.reshape(n * T)                                               # (n*T,)
+    if type(head) is torch.nn.Linear and head.bias is None:  # WHY: the lean path, written out
+        logp, entropy = _LinearLogp.apply(h, head.weight, ids, temperature, chunk, with_entropy,
+                                          None if embeds is None else sink)           # (n*T,) x2
+        logp = logp.reshape(n, T)                                                     # (n, T)
+        return (logp, entropy.reshape(n, T)) if with_entropy else logp
     grad = torch.is_grad_enabled()
     parts = [checkpoint(_chunk_logp, head, h[i:i + chunk], ids[i:i + chunk], temperature,
                         with_entropy, use_reentrant=False) if grad

@@ -69,6 +69,92 @@ def test_chunked_logprobs_and_gradients_match_the_plain_ones(arch, chunk):
         torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-5)
 
 
+def backward_peak(model, b, chunk):
+    """The most bytes alive at once during backward of a weighted log-prob loss, over what was
+    alive when it started, counted from the CPU allocator's own events (torch.profiler); and
+    every parameter's gradient."""
+    from torch.profiler import ProfilerActivity, profile
+    model.zero_grad(set_to_none=True)
+    logp = grpo.token_logprobs(model, *b, 1.0, False, chunk)                          # (n, T)
+    w = torch.linspace(-1, 2, logp.numel()).view_as(logp)                             # (n, T)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        (logp * w).sum().backward()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    alive = peak = 0
+    for _, nbytes in events:  # NOTE: allocations count positive, frees negative
+        alive += nbytes
+        peak = max(peak, alive)
+    return peak, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+class SubclassedHead(torch.nn.Linear):
+    """An output layer the written-out path does not take (not exactly nn.Linear): its chunks go
+    through the general, checkpointed path."""
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_chunked_backward_holds_one_output_layer_gradient(tied):
+    """At a vocabulary large enough for the output layer to dominate (V = 20,000 × H = 32, 2.56
+    MB), backward's peak over its start, in units of that layer's size W:
+    - the written-out path (memory._LinearLogp), tied (memory._TiedEmbedding): the one (V, H)
+      gradient both uses add into, plus small change: < 1.6 W;
+    - the same, untied: the output layer's gradient and the input embedding's, 2 W + change;
+    - the general path (a subclass of nn.Linear): each chunk's backward makes its own (V, H)
+      gradient before autograd adds it in, so at least 2 W tied or not, and 3 W measured here;
+    - the plain, unchunked code: (n, T, V) logits, their softmax and gradient: far more.
+    All give the plain code's gradients. The tied weight's hook fires once, on a dense gradient."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    V, H = 20_000, 32
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tied, pad_token_id=3))
+    ids = torch.randint(0, V, (4, 30))                                                # (n, P+T)
+    ids[0, :4] = 3  # NOTE: pad tokens, whose embedding row gets no gradient
+    mask = (ids != 3).long()                                                          # (n, P+T)
+    b = (ids[:, :10], mask[:, :10], ids[:, 10:], mask[:, 10:])
+    W = V * H * 4
+    head = model.get_output_embeddings()
+    seen = []
+    head.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.is_sparse))
+    plain, want = backward_peak(model, b, 0)
+    seen.clear()
+    lean, got = backward_peak(model, b, 5)
+    assert seen == [False]  # once, dense
+    general = SubclassedHead(H, V, bias=False)
+    general.weight = head.weight
+    model.set_output_embeddings(general)
+    slow, got_slow = backward_peak(model, b, 5)
+    for grads in (got, got_slow):
+        assert grads.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(grads[name], want[name], rtol=1e-4, atol=1e-5)
+    assert lean < (1.6 if tied else 2.6) * W
+    assert slow > 2.6 * W and plain > 5 * W
+
+
+def test_chunked_logprobs_under_bf16_autocast_are_no_less_exact_than_the_plain_ones():
+    """Under CPU bf16 autocast the written-out path computes its logits in bf16 as autocast does
+    (the plain forward's log-probs and entropies, to float rounding), and the output layer's
+    gradient in fp32 where autocast's backward rounds it to bf16. So against the fp32 gradients,
+    every parameter's relative error is at most the plain bf16 code's (measured: 0.24% against
+    0.32% for the tied embedding, the same for the rest) and within bf16's 3 digits."""
+    tok = tiny_world.char_tokenizer()
+    model = model_for("qwen2", tok)
+    b = batch_of(model, tok)
+    exact = logp_and_grads(model, b, 0, 0.7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain, got = logp_and_grads(model, b, 0, 0.7), logp_and_grads(model, b, 7, 0.7)
+    torch.testing.assert_close(got[0], plain[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], plain[1], rtol=1e-5, atol=1e-5)
+    assert not torch.equal(plain[0], exact[0])  # so autocast really ran in bf16
+    for name, g in exact[2].items():
+        err_plain = ((plain[2][name] - g).norm() / g.norm()).item()
+        err_got = ((got[2][name] - g).norm() / g.norm()).item()
+        assert err_got <= err_plain * 1.01 + 1e-7 and err_got < 0.05, name
+
+
 def test_chunked_logprobs_without_gradients_and_a_wrong_offset_fails():
     """Under no_grad (π_old, π_ref) the chunked values match too; and the check can fail: scoring
     the hidden states one position late (the off-by-one the code warns about) does not match."""
@@ -197,6 +283,7 @@ def two_steps(start, tok, update_in_backward, checkpointing=False, **kw):
     ("llama", dict(max_grad_norm=0.05)),    # the clip engages: every gradient is scaled
     ("llama", dict(max_grad_norm=1e9)),     # it does not: the factor is 1
     ("gpt2", dict(max_grad_norm=0.05)),     # tied input and output embeddings, one tensor
+    ("gpt2", dict(max_grad_norm=0.05, logprob_chunk=5)),  # tied, the sparse input gradient
     ("qwen2", dict(max_grad_norm=0.05, beta=0.0)),
     ("llama", dict(max_grad_norm=0.05, logprob_chunk=5, checkpointing=True)),
 ])
