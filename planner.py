@@ -140,6 +140,7 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
     N = s.group_size * s.prompts_per_step                  # completions per step
     n = min(s.micro_batch_size, N)                         # sequences per micro-batch
     lora_p = shape.lora_params(s.lora_r, s.lora_target_modules) if s.lora_r else 0
+    tied = not shape.head_params                           # one (V, h) weight, input and output
     trainable = lora_p or shape.params
     base_bytes = 2 if (s.lora_r and s.bf16) else 4        # lora.add_adapters(bf16_base=...)
     parts = {
@@ -164,13 +165,13 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
     T = s.max_new_tokens
     rows = min(s.logprob_chunk, n * T) if s.logprob_chunk else n * T
     # WHY 3.5 (measured: docs/memory.md): the fp32 logits kept for backward, and the (rows, V)
-    #      gradients of logsumexp, gather and the slice that backward makes, partly at once
+    #      gradients of logsumexp, gather and the slice that backward makes, partly at once.
+    #      In chunks (memory._LinearLogp, a bias-free output layer as in Llama, Qwen and GPT-2)
+    #      nothing is kept: a chunk's logits and the one tensor its gradient is built in.
     unit = rows * V * 4
     head_trainable = not s.lora_r
-    parts["logits"] = 7 * unit // 2 + (2 * n * (T + 1) * V if s.bf16 and not s.logprob_chunk
-                                       else 0)
-    if s.logprob_chunk and head_trainable:
-        parts["logits"] += h * V * 4                       # each chunk's output-layer gradient
+    parts["logits"] = (2 * unit if s.logprob_chunk
+                       else 7 * unit // 2 + (2 * n * (T + 1) * V if s.bf16 else 0))
     decoded = min(s.sample_batch_size, N) if s.sample_batch_size else N  # rows sampled at once
     parts["KV cache"] = 2 * L * shape.kv_heads * shape.head_dim * S * decoded * (2 if s.bf16
                                                                                  else 4)
@@ -193,14 +194,16 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
         "scoring": 3 * unit + n * S * full + copies,   # logits, their copy, logsumexp's
         "backward": train + copies,
         # NOTE: at backward's end every gradient exists, and the embedding's arrives as a dense
-        #       (V, h) tensor before it is added into its .grad
+        #       (V, h) tensor before it is added into its .grad; in chunks a tied embedding adds
+        #       its rows into the output layer's gradient in place (memory._TiedEmbedding)
         "optimizer": parts["gradients"] + copies + (4 * shape.embed_params if head_trainable
-                                                    else 0),
+                                                    and not (tied and s.logprob_chunk) else 0),
     }
     if s.update_in_backward:
         # WHY: no gradient outlives its step. The largest is the embedding's dense (V, h) one; a
-        #      tied output layer's waits for it, and the two are summed: two of them at once.
-        parts["gradients"] = 4 * shape.embed_params * (1 if shape.head_params else 2)
+        #      tied output layer's waits for it, and the two are summed: two of them at once,
+        #      except in chunks, where the embedding's rows are added into it in place.
+        parts["gradients"] = 4 * shape.embed_params * (2 if tied and not s.logprob_chunk else 1)
         phases["optimizer"] = copies + (parts["gradients"] if head_trainable else 0)
     if critic:
         # WHY a phase of its own: ppo.Critic updates the value model after the policy, whose
