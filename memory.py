@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import os
 import platform
+import types
 
 import torch
 import torch.nn.functional as F
@@ -184,6 +185,60 @@ def token_logprobs_chunked(model, input_ids, attention_mask, position_ids, compl
     if not with_entropy:
         return logp
     return logp, torch.cat([e for _, e in parts]).reshape(n, T).detach()              # (n, T)
+
+
+class _SwiGLUDown(torch.autograd.Function):
+    """down_proj(silu(g) ⊙ u), the end of a SwiGLU MLP (Llama, Qwen, Mistral), keeping only g and
+    u for backward: (..., i) x2, (h, i) -> (..., h).
+    WHY (memory): autograd keeps four (..., i) tensors for these three ops: g, silu(g), u and the
+    product, which down_proj saves as its input. This keeps two and recomputes the product in
+    backward (what Liger's and Unsloth's fused SwiGLU kernels do). Without checkpointing, at
+    Qwen2.5-0.5B's width (i = 4,864) that is 0.45 GB less for 1,000 tokens in fp32."""
+
+    @staticmethod
+    def forward(ctx, g, u, weight):
+        dt = torch.get_autocast_dtype(g.device.type) if torch.is_autocast_enabled(
+            g.device.type) else weight.dtype
+        ctx.save_for_backward(g, u, weight)
+        ctx.dt = dt
+        return F.linear((F.silu(g) * u).to(dt), weight.to(dt))                        # (..., h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g, u, weight = ctx.saved_tensors
+        w, grad = weight.to(ctx.dt), grad.to(ctx.dt)                         # (h, i), (..., h)
+        s = torch.sigmoid(g)                                                          # (..., i)
+        a = g * s  # NOTE: silu(g)                                                    # (..., i)
+        grad_w = None
+        if ctx.needs_input_grad[2]:  # NOTE: ∂/∂W of p Wᵀ is gradᵀ p, over every token
+            p = (a * u).to(ctx.dt)                                                    # (..., i)
+            grad_w = (grad.reshape(-1, grad.shape[-1]).t() @ p.reshape(-1, p.shape[-1])
+                      ).to(weight.dtype)                                              # (h, i)
+            del p
+        dp = (grad @ w).to(g.dtype)                                                   # (..., i)
+        du = dp * a                                                                   # (..., i)
+        # NOTE: silu'(g) = s (1 + g (1 - s)), s = sigmoid(g)
+        ds = (1 - s).mul_(g).add_(1).mul_(s)                                          # (..., i)
+        return dp.mul_(u).mul_(ds), du, grad_w
+
+
+def _lean_mlp_forward(self, x):
+    return _SwiGLUDown.apply(self.gate_proj(x), self.up_proj(x), self.down_proj.weight)
+
+
+def recompute_mlp(model, enabled: bool = True) -> int:
+    """Route every SwiGLU MLP of `model` (gate_proj, up_proj and a bias-free down_proj, all plain
+    nn.Linear; act_fn torch's or transformers' SiLU) through _SwiGLUDown; returns how many. The
+    forward is the same arithmetic; backward agrees to float rounding (tests/test_memory.py).
+    NOTE: LoRA-wrapped projections are left as they are."""
+    count = 0
+    for m in model.modules() if enabled else ():
+        parts = [getattr(m, k, None) for k in ("gate_proj", "up_proj", "down_proj")]
+        if (all(type(p) is torch.nn.Linear for p in parts) and parts[2].bias is None
+                and type(getattr(m, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")):
+            m.forward = types.MethodType(_lean_mlp_forward, m)
+            count += 1
+    return count
 
 
 def offloaded(enabled: bool):

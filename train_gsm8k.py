@@ -68,6 +68,8 @@ class TrainConfig:
     """Recompute activations in backward to save memory (slower)."""
     offload_activations: bool = False
     """Keep tensors saved for backward in CPU RAM (memory.offloaded; pays on a GPU). Slower."""
+    recompute_mlp: bool = False
+    """Keep 2 of a SwiGLU MLP's 4 activations for backward, recompute the rest (memory.py)."""
     lora_r: int = 0
     """LoRA rank (lora.py, needs peft); 0: full fine-tuning. π_ref: adapters off. Try --lr 1e-5."""
     lora_alpha: float = 32.0
@@ -87,8 +89,7 @@ class TrainConfig:
     warm_start_seed: int = 0
     """Tiny world only: seed of the warm start. Fixed, so every --seed starts from one model."""
     warm_start_slip: str = "answer"
-    """Tiny world only: the warm-start text's planted mistake, 'answer' or 'arithmetic' (a wrong
-    first calculator step carried to the answer: process supervision's fair test, docs/variants)."""
+    """Tiny world only: the warm start's planted slip, 'answer' or 'arithmetic' (docs/variants)."""
     eval_every: int = 0
     """Every this many steps, greedy accuracy on the first --eval-batch-size held-out problems
     (one batch; curves.png, --report-to). 0: only before and after. Presets set it."""
@@ -193,8 +194,7 @@ def main(argv=None) -> dict:
                                          tcfg.warm_start_steps, tcfg.warm_start_seed, tqdm.write,
                                          tcfg.warm_start_slip))
     policy = grpo.disable_dropout(policy).to(device)
-    # WHY after loading: building the tiny warm start reseeds torch; runs that load it must match
-    #      (and LoRA's initial adapters are drawn from this seed).
+    # WHY after loading: building the warm start reseeds torch; LoRA's adapters draw from this.
     torch.manual_seed(tcfg.seed)
     random.seed(tcfg.seed)
     if tcfg.lora_r:  # only the adapters train (lora.py); with --bf16 the frozen base is bf16
@@ -216,7 +216,7 @@ def main(argv=None) -> dict:
     state.update(configs)
     log = report.RunLog(out, not tcfg.resume, tcfg.report_to, state, gcfg.num_iterations)
     engine.enable_activation_checkpointing(policy, tcfg.gradient_checkpointing)
-    policy.train()
+    memory.recompute_mlp(policy.train(), tcfg.recompute_mlp)
     # PPO (--baseline critic) swaps in its step, which trains a value model beside the policy.
     step_fn = ppo.Critic(policy, gcfg, pcfg) if gcfg.baseline == "critic" else grpo.grpo_step
     engine.compile_layers(gcfg, policy, ref)  # with compiled decoding: the layers too
