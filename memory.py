@@ -222,14 +222,49 @@ class _SwiGLUDown(torch.autograd.Function):
         return dp.mul_(u).mul_(ds), du, grad_w
 
 
+class _RMSNorm(torch.autograd.Function):
+    """Llama's and Qwen2's RMSNorm, w ⊙ x / sqrt(mean(x²) + eps), keeping only x and the (..., 1)
+    inverse norm for backward: (..., h), (h,) -> (..., h). The same arithmetic as their forward.
+    WHY (memory): autograd also keeps the normalised x, one more (..., h) tensor per norm (two a
+    block); this recomputes it in backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float):
+        xf = x.to(torch.float32)                                                      # (..., h)
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)                    # (..., 1)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)                                       # (..., h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        n = x.to(torch.float32) * rstd                                                # (..., h)
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad * n.to(x.dtype)).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
+        gn = (grad * weight).to(torch.float32)                                        # (..., h)
+        # NOTE: for n = x r, r = mean(x²)^-1/2: ∂L/∂x = r (∂L/∂n - n mean(∂L/∂n ⊙ n))
+        grad_x = rstd * (gn - n * (gn * n).mean(-1, keepdim=True))                    # (..., h)
+        return grad_x.to(x.dtype), grad_w, None
+
+
 def _lean_mlp_forward(self, x):
     return _SwiGLUDown.apply(self.gate_proj(x), self.up_proj(x), self.down_proj.weight)
 
 
-def recompute_mlp(model, enabled: bool = True) -> int:
+def _lean_norm_forward(self, x):
+    return _RMSNorm.apply(x, self.weight, self.variance_epsilon)
+
+
+NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")  # NOTE: each forward read, the same
+
+
+def lean_activations(model, enabled: bool = True) -> int:
     """Route every SwiGLU MLP of `model` (gate_proj, up_proj and a bias-free down_proj, all plain
-    nn.Linear; act_fn torch's or transformers' SiLU) through _SwiGLUDown; returns how many. The
-    forward is the same arithmetic; backward agrees to float rounding (tests/test_memory.py).
+    nn.Linear; act_fn torch's or transformers' SiLU) through _SwiGLUDown and every RMSNorm of
+    NORMS through _RMSNorm; returns how many modules. The forward is the same arithmetic, bit for
+    bit; backward agrees to float rounding (tests/test_memory.py). At Qwen2.5-0.5B's shape that
+    is 2 i + 2 h of 10 h + 4 i + ... floats a token and block fewer (docs/memory.md).
     NOTE: LoRA-wrapped projections are left as they are."""
     count = 0
     for m in model.modules() if enabled else ():
@@ -237,6 +272,9 @@ def recompute_mlp(model, enabled: bool = True) -> int:
         if (all(type(p) is torch.nn.Linear for p in parts) and parts[2].bias is None
                 and type(getattr(m, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")):
             m.forward = types.MethodType(_lean_mlp_forward, m)
+            count += 1
+        elif type(m).__name__ in NORMS:
+            m.forward = types.MethodType(_lean_norm_forward, m)
             count += 1
     return count
 

@@ -112,7 +112,7 @@ class StepSettings:
     logprob_chunk: int = 0
     sample_batch_size: int = 0
     offload_activations: bool = False
-    recompute_mlp: bool = False
+    lean_activations: bool = False
     update_in_backward: bool = False
     lora_r: int = 0
     lora_target_modules: str = "all-linear"
@@ -158,8 +158,9 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
     full = (4 * (10 * h + 4 * i + S + shape.heads + 2) if not s.bf16
             else 34 * h + 8 * i + 2 * S + 2 * shape.heads)
     full += 4 * s.lora_r * len(shape.block_linears)
-    if s.recompute_mlp and not s.lora_r:  # memory._SwiGLUDown keeps g and u, not silu(g), g*u
-        full -= (4 if not s.bf16 else 2) * 2 * i
+    if s.lean_activations:  # NOTE: memory.lean_activations: not silu(g), g*u (unless LoRA
+        #                                wraps the MLP) nor the 2 norms' normalised x (fp32)
+        full -= 4 * 2 * h + (0 if s.lora_r else (4 if not s.bf16 else 2) * 2 * i)
     kept = 4 * h if s.gradient_checkpointing else full     # checkpointing keeps blocks' inputs
     if s.offload_activations:
         kept = 0                                           # saved tensors wait in CPU RAM
@@ -242,7 +243,7 @@ def candidate_changes(s: StepSettings) -> list[tuple[str, str, object]]:
         ("--logprob-chunk 1024", "logprob_chunk", 1024, not s.logprob_chunk),
         (f"--micro-batch-size {max(1, n // 2)}", "micro_batch_size", max(1, n // 2), n > 1),
         ("--offload-activations", "offload_activations", True, not s.offload_activations),
-        ("--recompute-mlp", "recompute_mlp", True, not s.recompute_mlp and not s.lora_r),
+        ("--lean-activations", "lean_activations", True, not s.lean_activations),
         ("--update-in-backward", "update_in_backward", True,
          not s.update_in_backward and n == s.group_size * s.prompts_per_step),
         (f"--sample-batch-size {max(1, k // 2)}", "sample_batch_size", max(1, k // 2), k > 1),

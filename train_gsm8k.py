@@ -68,8 +68,8 @@ class TrainConfig:
     """Recompute activations in backward to save memory (slower)."""
     offload_activations: bool = False
     """Keep tensors saved for backward in CPU RAM (memory.offloaded; pays on a GPU). Slower."""
-    recompute_mlp: bool = False
-    """Keep 2 of a SwiGLU MLP's 4 activations for backward, recompute the rest (memory.py)."""
+    lean_activations: bool = False
+    """SwiGLU MLPs and RMSNorms keep fewer activations for backward, recompute the rest."""
     lora_r: int = 0
     """LoRA rank (lora.py, needs peft); 0: full fine-tuning. π_ref: adapters off. Try --lr 1e-5."""
     lora_alpha: float = 32.0
@@ -216,7 +216,7 @@ def main(argv=None) -> dict:
     state.update(configs)
     log = report.RunLog(out, not tcfg.resume, tcfg.report_to, state, gcfg.num_iterations)
     engine.enable_activation_checkpointing(policy, tcfg.gradient_checkpointing)
-    memory.recompute_mlp(policy.train(), tcfg.recompute_mlp)
+    memory.lean_activations(policy.train(), tcfg.lean_activations)
     # PPO (--baseline critic) swaps in its step, which trains a value model beside the policy.
     step_fn = ppo.Critic(policy, gcfg, pcfg) if gcfg.baseline == "critic" else grpo.grpo_step
     engine.compile_layers(gcfg, policy, ref)  # with compiled decoding: the layers too

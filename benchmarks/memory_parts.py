@@ -58,7 +58,7 @@ def reset_peak():
 def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads: int,
             beta: float = 0.04, gradient_checkpointing: bool = False, logprob_chunk: int = 0,
             lora_r: int = 0, baseline: str = "group", update_in_backward: bool = False,
-            recompute_mlp: bool = False) -> dict:
+            lean_activations: bool = False) -> dict:
     """Persistent memory by part and each phase's peak in step 2 of grpo_step, in MB.
     baseline='critic': PPO's step (ppo.Critic) instead, with its value model and AdamW state.
     update_in_backward: AdamW steps inside backward (memory.step_in_backward), which is then one
@@ -83,7 +83,7 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
         policy = lora.add_adapters(policy, lora_r, 2 * lora_r)
     if gradient_checkpointing:
         engine.enable_activation_checkpointing(policy)
-    memory.recompute_mlp(policy.train(), recompute_mlp)
+    memory.lean_activations(policy.train(), lean_activations)
     out["weights_mb"] = status_mb("VmRSS") - out["baseline_mb"]
     cfg = grpo.GRPOConfig(group_size=group_size, max_new_tokens=tokens, min_new_tokens=tokens,
                           beta=beta, lr=1e-4, micro_batch_size=prompts * group_size,
@@ -145,14 +145,14 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
     out["trainable"], out["parameters"] = lora.trainable_share(policy)
     out.update(gradient_checkpointing=gradient_checkpointing, logprob_chunk=logprob_chunk,
                lora_r=lora_r, baseline=baseline, update_in_backward=update_in_backward,
-               recompute_mlp=recompute_mlp)
+               lean_activations=lean_activations)
     # The planner's prediction for the same step (planner.py), from the config alone
     import planner
     prompt_tokens = planner.prompt_tokens_of(tok, [r["prompt"] for r in rows[prompts:]])  # step 2
     settings = planner.settings_of(cfg, prompt_tokens, prompts_per_step=prompts,
                                    gradient_checkpointing=gradient_checkpointing, lora_r=lora_r,
                                    update_in_backward=update_in_backward,
-                                   recompute_mlp=recompute_mlp)
+                                   lean_activations=lean_activations)
     plan = planner.step_memory(planner.model_shape(lora.unwrap(policy).config), settings,
                                critic=critic is not None)
     out.update(planned_peak_mb=plan["peak"] / 2**20, planned_phase=plan["peak_phase"],
@@ -207,14 +207,15 @@ def main(argv=None):
                    help="'critic': PPO's step with its value model (ppo.py) instead of GRPO's")
     p.add_argument("--update-in-backward", action="store_true",
                    help="AdamW steps each weight inside backward (memory.step_in_backward)")
-    p.add_argument("--recompute-mlp", action="store_true",
-                   help="SwiGLU MLPs keep 2 of their 4 activations (memory.recompute_mlp)")
+    p.add_argument("--lean-activations", action="store_true",
+                   help="SwiGLU MLPs and RMSNorms keep fewer activations for backward "
+                        "(memory.lean_activations)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--plan-check", metavar="SIZES",
                    help="measure planner.py's prediction against these sizes (comma-separated "
                         f"names from {', '.join(SIZES)}, or 'all'), each full, LoRA r 16, "
                         "log-prob chunk 64, checkpointed, PPO + critic, stepped in backward and "
-                        "MLP recomputed; "
+                        "lean activations; "
                         "exit 1 if one is off by > 15%%")
     p.add_argument("--jobs", type=int, default=1,
                    help="--plan-check: cases measured at once, each in its own process with its "
@@ -235,7 +236,7 @@ def main(argv=None):
         with contextlib.redirect_stdout(sys.stderr):
             res = measure(a.worker, a.group_size, a.prompts, a.tokens, a.threads, a.beta,
                           a.gradient_checkpointing, a.logprob_chunk, a.lora_r, a.baseline,
-                          a.update_in_backward, a.recompute_mlp)
+                          a.update_in_backward, a.lean_activations)
         print(json.dumps(res))
         return res
     # WHY a fresh process: building the model here leaves freed memory behind in this one, which
@@ -256,7 +257,7 @@ def main(argv=None):
                      f"G={a.group_size}, {a.prompts} prompts, {a.tokens} tokens, fp32, "
                      f"gradient checkpointing {'on' if a.gradient_checkpointing else 'off'}, "
                      f"log-prob chunk {a.logprob_chunk or 'off'}, LoRA r {a.lora_r or 'off'}"
-                     + (", MLP recomputed" if a.recompute_mlp else ""))
+                     + (", lean activations" if a.lean_activations else ""))
     print(f"planner.py's prediction: {res['planned_peak_mb']:,.0f} MB over the imports "
           f"({res['planned_phase']}); measured {res['peak_over_baseline_mb']:,.0f} "
           f"({res['plan_error']:+.1%})")
@@ -273,7 +274,7 @@ VARIANTS = {"full": [], "LoRA r 16": ["--lora-r", "16"], "chunk 64": ["--logprob
             "checkpointed": ["--gradient-checkpointing"],
             "PPO + critic": ["--baseline", "critic"],
             "stepped in backward": ["--update-in-backward"],
-            "MLP recomputed": ["--recompute-mlp"]}
+            "lean activations": ["--lean-activations"]}
 
 
 def plan_check(sizes: str, threads: int, jobs: int = 1) -> list[dict]:

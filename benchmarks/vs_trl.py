@@ -191,7 +191,7 @@ def run_ours(a) -> dict:
     policy = policy.to(a.device)
     if a.gradient_checkpointing:  # as train_gsm8k.py --gradient-checkpointing does it
         engine.enable_activation_checkpointing(policy)
-    memory.recompute_mlp(policy.train(), a.recompute_mlp)  # as train_gsm8k.py does it
+    memory.lean_activations(policy.train(), a.lean_activations)  # as train_gsm8k.py does it
     cfg = grpo_config(a)
     ref = grpo.make_reference(policy) if a.beta else None
     engine.compile_layers(cfg, policy, ref)  # --compile on: as train_gsm8k.py does it
@@ -269,7 +269,7 @@ def worker_cmd(a, side: str, model_dir: Path) -> list[str]:
               "num_iterations", "lr", "device", "compile", "logprob_chunk"):
         flags += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     switches = [f"--{k.replace('_', '-')}" for k in ("bf16", "gradient_checkpointing",
-                                                     "update_in_backward", "recompute_mlp")
+                                                     "update_in_backward", "lean_activations")
                 if getattr(a, k)]
     return [sys.executable, __file__, *flags, *switches]
 
@@ -323,9 +323,9 @@ def main(argv=None):
                    help="our side only: log-probs through the output layer this many tokens at "
                         "a time (memory.py), the same numbers without a micro-batch's whole "
                         "logits (default 0: off)")
-    p.add_argument("--recompute-mlp", action="store_true",
-                   help="our side only: each SwiGLU MLP keeps 2 of its 4 activations for "
-                        "backward and recomputes the rest (memory.recompute_mlp; default off)")
+    p.add_argument("--lean-activations", action="store_true",
+                   help="our side only: SwiGLU MLPs and RMSNorms keep fewer activations for "
+                        "backward and recompute the rest (memory.lean_activations; default off)")
     p.add_argument("--malloc-mmap-threshold", type=int, default=0, metavar="BYTES",
                    help="both sides: glibc gives freed blocks over BYTES back to the system "
                         "(MALLOC_MMAP_THRESHOLD_), so peak RSS follows live tensors rather than "
@@ -410,7 +410,7 @@ def main(argv=None):
         # NOTE: how our side computes the same update, not a setting of the work: left out of
         #       settings_differ on purpose.
         "ours_update_in_backward": a.update_in_backward, "ours_logprob_chunk": a.logprob_chunk,
-        "ours_recompute_mlp": a.recompute_mlp,
+        "ours_lean_activations": a.lean_activations,
         "malloc_mmap_threshold": a.malloc_mmap_threshold or "glibc default",
         "threads": a.threads, "rounds": a.rounds, "steps_per_round": a.steps, "warmup": a.warmup,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores"
@@ -431,7 +431,7 @@ def main(argv=None):
     how = "".join(f", {part}" for part, on in [
         ("ours stepping inside backward", a.update_in_backward),
         (f"ours in log-prob chunks of {a.logprob_chunk}", a.logprob_chunk),
-        ("ours recomputing the MLP's product", a.recompute_mlp),
+        ("ours with lean activations", a.lean_activations),
         (f"MALLOC_MMAP_THRESHOLD_={a.malloc_mmap_threshold} on both", a.malloc_mmap_threshold)]
         if on)
     print(f"\n| {model}, {result['work']}, {result['precision']} on {a.device}{how}, "

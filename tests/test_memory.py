@@ -406,12 +406,13 @@ def saved_bytes(model, b):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_recompute_mlp_keeps_two_of_four_mlp_activations_and_gives_the_same_gradients(arch):
-    """memory.recompute_mlp: every SwiGLU MLP is rerouted (2 layers). The forward is the same
-    arithmetic, so the log-probs are equal bit for bit, and the gradients agree to float rounding.
-    Autograd keeps exactly 2 (tokens, i) fp32 tensors fewer per layer: silu(g) and the product.
-    Under bf16 autocast, against the fp32 gradients, its error is within bf16's, like the plain
-    code's. A LoRA-wrapped MLP is left alone."""
+def test_lean_activations_keep_fewer_tensors_and_give_the_same_gradients(arch):
+    """memory.lean_activations reroutes every SwiGLU MLP (2 layers) and RMSNorm (2 a layer and
+    the final one). The forward is the same arithmetic, so the log-probs are equal bit for bit,
+    and the gradients agree to float rounding. Autograd keeps exactly 2 (tokens, i) tensors fewer
+    per MLP (silu(g) and the product) and 1 (tokens, h) per norm (the normalised x), in fp32.
+    Under bf16 autocast, against the fp32 gradients, the error stays within bf16's, like the plain
+    code's. LoRA-wrapped MLPs are left alone; their norms are not."""
     tok = tiny_world.char_tokenizer()
     model = model_for(arch, tok)
     b = batch_of(model, tok)
@@ -419,10 +420,11 @@ def test_recompute_mlp_keeps_two_of_four_mlp_activations_and_gives_the_same_grad
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain16 = logp_and_grads(model, b, 0, 0.7)
     lean = copy.deepcopy(model)
-    assert memory.recompute_mlp(lean) == 2 and memory.recompute_mlp(model, False) == 0
+    assert memory.lean_activations(lean) == 2 + 5 and memory.lean_activations(model, False) == 0
     lean_kept, got = saved_bytes(lean, b), logp_and_grads(lean, b, 0, 0.7)
     tokens = b["prompt_ids"].numel() + b["completion_ids"].numel()
-    assert plain_kept - lean_kept == 2 * 2 * tokens * model.config.intermediate_size * 4
+    c = model.config
+    assert plain_kept - lean_kept == 4 * tokens * (2 * 2 * c.intermediate_size + 5 * c.hidden_size)
     assert torch.equal(got[0], want[0])
     for name in want[2]:
         torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-5, atol=1e-6)
@@ -435,4 +437,4 @@ def test_recompute_mlp_keeps_two_of_four_mlp_activations_and_gives_the_same_grad
         assert err_lean < max(2 * err_plain, 0.02), name
     if arch == "llama" and __import__("importlib").util.find_spec("peft"):
         import lora
-        assert memory.recompute_mlp(lora.add_adapters(copy.deepcopy(model), r=4, alpha=8)) == 0
+        assert memory.lean_activations(lora.add_adapters(copy.deepcopy(model), r=4, alpha=8)) == 5
