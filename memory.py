@@ -290,16 +290,20 @@ def offloaded(enabled: bool):
 
 
 def return_freed_memory():
-    """Have glibc give every freed block of 1 MB or more back to the system at once, as
-    MALLOC_MMAP_THRESHOLD_=1048576 would (unless that variable is set). Linux with glibc only.
+    """Have glibc give freed memory back to the system: what is free now (malloc_trim), and every
+    block of 1 MB or more at once when it is freed from now on, as MALLOC_MMAP_THRESHOLD_=1048576
+    would. Linux with glibc only; nothing when that variable is set (the user chose).
     WHY (memory, CPU): glibc keeps freed blocks under a threshold that grows to 32 MB for reuse,
     so RSS does not fall when they are freed. Stepping inside backward frees each weight's
     gradient on its own, hundreds of blocks of a few MB, twice a step: kept, they cost more than
-    the gradients saved (+1.4 GB at Qwen2.5-0.5B, docs/memory.md). On a GPU it changes nothing
-    there: PyTorch's caching allocator holds GPU memory itself."""
+    the gradients saved (+1.4 GB at Qwen2.5-0.5B, docs/memory.md), and the sampler's and the
+    reference pass's freed memory sits under backward's peak. On a GPU it changes nothing there:
+    PyTorch's caching allocator holds GPU memory itself."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or platform.libc_ver()[0] != "glibc":
         return
-    ctypes.CDLL(None).mallopt(-3, 1 << 20)  # NOTE: -3 is M_MMAP_THRESHOLD in glibc's malloc.h
+    libc = ctypes.CDLL(None)
+    libc.mallopt(-3, 1 << 20)  # NOTE: -3 is M_MMAP_THRESHOLD in glibc's malloc.h
+    libc.malloc_trim(0)
 
 
 def step_in_backward(params, optimizer, loss, max_grad_norm: float,

@@ -359,8 +359,9 @@ def test_update_in_backward_with_more_than_one_micro_batch_is_refused():
 def test_return_freed_memory_makes_glibc_give_freed_blocks_back():
     """In a fresh process: freeing a 16 MB tensor raises glibc's mmap threshold to 16 MB, so the
     next 2 MB blocks come from the heap, and freeing all but the last keeps their ~62 MB in RSS.
-    After memory.return_freed_memory (which step_in_backward calls) the same frees give it back.
-    Linux with glibc only (the function does nothing elsewhere)."""
+    memory.return_freed_memory (which step_in_backward calls) gives that back at once ("after"),
+    and blocks freed after it leave RSS as they are freed ("on"). Linux with glibc only (the
+    function does nothing elsewhere)."""
     import os
     import platform
     import subprocess
@@ -379,13 +380,15 @@ def test_return_freed_memory_makes_glibc_give_freed_blocks_back():
         "blocks = [torch.ones(1 << 19) for _ in range(32)]",
         "before = rss()",
         "del blocks[:-1]",
+        "if sys.argv[1] == 'after':",
+        "    memory.return_freed_memory()",
         "print(before - rss())"])
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     env["PYTHONPATH"] = os.path.dirname(os.path.abspath(memory.__file__))
     freed = {flag: float(subprocess.run([sys.executable, "-c", script, flag], env=env,
                                         capture_output=True, text=True, check=True
-                                        ).stdout.split()[-1]) for flag in ("off", "on")}
-    assert freed["off"] < 10 and freed["on"] > 50, freed
+                                        ).stdout.split()[-1]) for flag in ("off", "on", "after")}
+    assert freed["off"] < 10 and freed["on"] > 50 and freed["after"] > 50, freed
 
 
 def saved_bytes(model, b):
