@@ -1,21 +1,25 @@
 """
-memory.py -- memory machinery beside grpo.py: log-probs in chunks, activations kept in CPU RAM.
+memory.py -- memory machinery beside grpo.py: log-probs in chunks, lean activations, activations
+kept in CPU RAM, AdamW stepped inside backward.
 
     logp = token_logprobs_chunked(model, ids, mask, positions, completion_ids, 1.0, False, 1024)
+    lean_activations(model)          # SwiGLU MLPs and RMSNorms keep fewer tensors for backward
     with offloaded(True):            # tensors saved for backward go to CPU RAM (on a GPU)
         grpo.grpo_step(...)
+    step_in_backward(params, optimizer, loss, max_grad_norm)   # each weight steps in backward
 
-Both give the same numbers as the plain code, within float tolerance (tests/test_memory.py), and
-both are switches: GRPOConfig.logprob_chunk (grpo.token_logprobs calls the chunked version when it
-is set) and train_gsm8k.py --offload-activations.
+Each gives the plain code's numbers, bit for bit or within float tolerance (tests/test_memory.py),
+and each is a switch: GRPOConfig.logprob_chunk (grpo.token_logprobs calls the chunked version when
+it is set), train_gsm8k.py --lean-activations and --offload-activations, and
+GRPOConfig.update_in_backward (grpo.policy_update calls step_in_backward).
 
 WHY chunks: the plain grpo.token_logprobs materialises a micro-batch's logits, (n, T, V) in fp32,
 keeps them for backward and builds their gradient, as large again. At Qwen's 151,936-entry
 vocabulary one 512-token completion's logits are 311 MB. Here the hidden states go through the
 output layer `chunk` tokens at a time, each chunk's logits are reduced to log-probs at once, and
-in backward each chunk is recomputed (activation checkpointing per chunk), so at most one chunk's
-logits and their gradient exist at any moment. Unsloth's and Liger's fused cross-entropy do the
-same thing in fused kernels; this is the plain-PyTorch version of the idea.
+backward recomputes each chunk's logits and sums its gradient into one output-layer gradient
+(_LinearLogp), so at most one chunk's logits exist at any moment. Unsloth's and Liger's fused
+cross-entropy do the same thing in fused kernels; this is the plain-PyTorch version of the idea.
 """
 
 from __future__ import annotations
