@@ -361,7 +361,7 @@ def test_return_freed_memory_makes_glibc_give_freed_blocks_back():
     next 2 MB blocks come from the heap, and freeing all but the last keeps their ~62 MB in RSS.
     memory.return_freed_memory (which step_in_backward calls) gives that back at once ("after"),
     and blocks freed after it leave RSS as they are freed ("on"). Linux with glibc only (the
-    function does nothing elsewhere)."""
+    function does nothing elsewhere). The three processes run at once; each reads its own RSS."""
     import os
     import platform
     import subprocess
@@ -385,9 +385,10 @@ def test_return_freed_memory_makes_glibc_give_freed_blocks_back():
         "print(before - rss())"])
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     env["PYTHONPATH"] = os.path.dirname(os.path.abspath(memory.__file__))
-    freed = {flag: float(subprocess.run([sys.executable, "-c", script, flag], env=env,
-                                        capture_output=True, text=True, check=True
-                                        ).stdout.split()[-1]) for flag in ("off", "on", "after")}
+    runs = {flag: subprocess.Popen([sys.executable, "-c", script, flag], env=env, text=True,
+                                   stdout=subprocess.PIPE) for flag in ("off", "on", "after")}
+    freed = {flag: float(p.communicate()[0].split()[-1]) for flag, p in runs.items()}
+    assert all(p.returncode == 0 for p in runs.values())
     assert freed["off"] < 10 and freed["on"] > 50 and freed["after"] > 50, freed
 
 
