@@ -333,6 +333,20 @@ def test_inside_backward_at_most_one_gradient_exists_at_a_time():
     assert all(opt.state[p]["step"] == 1 for p in params)
 
 
+def test_step_in_backward_asks_glibc_to_give_memory_back(monkeypatch):
+    """step_in_backward calls memory.return_freed_memory once per update (conftest.py turns the
+    real one off in this process; test_return_freed_memory_... checks what it does)."""
+    calls = []
+    monkeypatch.setattr(memory, "return_freed_memory", lambda: calls.append(1))
+    tok = tiny_world.char_tokenizer()
+    model = model_for("llama", tok)
+    b = batch_of(model, tok)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    memory.step_in_backward(model.parameters(), opt,
+                            grpo.token_logprobs(model, *inputs(b), 1.0, False).sum(), 1.0)
+    assert calls == [1]
+
+
 def test_a_non_finite_loss_inside_backward_moves_nothing():
     tok = tiny_world.char_tokenizer()
     model = model_for("llama", tok)
