@@ -45,6 +45,24 @@ def backbone_and_head(model):
     return base.base_model, base.get_output_embeddings()
 
 
+def _compute_dtype(x, weight):
+    """The dtype a layer computes in: autocast's if it is on for x's device, else the weight's."""
+    on = torch.is_autocast_enabled(x.device.type)
+    return torch.get_autocast_dtype(x.device.type) if on else weight.dtype
+
+
+def _logp_lse_entropy(z, ids, with_entropy: bool):
+    """From logits over the temperature: log-probs of ids, logsumexp, and (no gradient; None
+    unless asked for) entropies. (c, V), (c,) -> (c,) x3."""
+    lse = torch.logsumexp(z, dim=-1)                                                  # (c,)
+    logp = z.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - lse                          # (c,)
+    if not with_entropy:
+        return logp, lse, None
+    with torch.no_grad():
+        # NOTE: H = logsumexp(z) - Σ_v p_v z_v, as in grpo.token_logprobs
+        return logp, lse, lse - (torch.softmax(z, dim=-1) * z).sum(-1)                # (c,)
+
+
 def _logits(h, weight, temperature: float):
     """The output layer's logits over the temperature, in fp32: (c, H), (V, H) -> (c, V).
     NOTE: `weight` is already in the dtype the layer computes in (bf16 under autocast)."""
@@ -62,22 +80,16 @@ class _LinearLogp(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, ids, temperature, chunk, with_entropy, sink):
-        dt = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(
-            h.device.type) else weight.dtype
+        dt = _compute_dtype(h, weight)
         w = weight.to(dt)                                                             # (V, H)
-        logp, lse, entropy = [], [], []
-        for i in range(0, h.shape[0], chunk):
-            z = _logits(h[i:i + chunk], w, temperature)                               # (c, V)
-            lse.append(torch.logsumexp(z, dim=-1))                                    # (c,)
-            logp.append(z.gather(-1, ids[i:i + chunk, None]).squeeze(-1) - lse[-1])   # (c,)
-            if with_entropy:  # NOTE: H = logsumexp(z) - Σ_v p_v z_v, as in grpo.token_logprobs
-                entropy.append(lse[-1] - (torch.softmax(z, dim=-1) * z).sum(-1))      # (c,)
-        lse = torch.cat(lse)                                                          # (N,)
-        entropy = torch.cat(entropy) if with_entropy else lse.new_empty(0)            # (N,)
+        parts = [_logp_lse_entropy(_logits(h[i:i + chunk], w, temperature), ids[i:i + chunk],
+                                   with_entropy) for i in range(0, h.shape[0], chunk)]
+        logp, lse = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])  # (N,) x2
+        entropy = torch.cat([p[2] for p in parts]) if with_entropy else lse.new_empty(0)  # (N,)
         ctx.save_for_backward(h, weight, ids, lse)
         ctx.dt, ctx.temperature, ctx.chunk, ctx.sink = dt, temperature, chunk, sink
         ctx.mark_non_differentiable(entropy)
-        return torch.cat(logp), entropy                                               # (N,) x2
+        return logp, entropy                                                          # (N,) x2
 
     @staticmethod
     def backward(ctx, grad_logp, _):
@@ -145,15 +157,8 @@ def _embeddings(model, input_ids, sink):
 def _chunk_logp(head, h, ids, temperature: float, with_entropy: bool):
     """log-probs (and, without gradient, entropies) of `ids` through any output layer: the
     general path, for layers _LinearLogp does not cover. (c, H), (c,) -> (c,) [, (c,)]."""
-    logits = head(h).float() / temperature                                           # (c, V)
-    lse = torch.logsumexp(logits, dim=-1)                                             # (c,)
-    logp = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - lse                     # (c,)
-    if not with_entropy:
-        return logp, None
-    with torch.no_grad():
-        # NOTE: H = logsumexp(l) - Σ_v p_v l_v, as in grpo.token_logprobs
-        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)              # (c,)
-    return logp, entropy
+    logp, _, entropy = _logp_lse_entropy(head(h).float() / temperature, ids, with_entropy)
+    return logp, entropy                                                              # (c,) x2
 
 
 def token_logprobs_chunked(model, input_ids, attention_mask, position_ids, completion_ids,
@@ -201,8 +206,7 @@ class _SwiGLUDown(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, g, u, weight):
-        dt = torch.get_autocast_dtype(g.device.type) if torch.is_autocast_enabled(
-            g.device.type) else weight.dtype
+        dt = _compute_dtype(g, weight)
         ctx.save_for_backward(g, u, weight)
         ctx.dt = dt
         return F.linear((F.silu(g) * u).to(dt), weight.to(dt))                        # (..., h)

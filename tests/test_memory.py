@@ -41,6 +41,11 @@ def inputs(b):
     return b["prompt_ids"], b["prompt_mask"], b["completion_ids"], b["completion_mask"]
 
 
+def relative_errors(grads, exact):
+    """{name: ‖grads[name] - exact[name]‖ / ‖exact[name]‖} over exact's parameters."""
+    return {n: ((grads[n] - g).norm() / g.norm()).item() for n, g in exact.items()}
+
+
 def logp_and_grads(model, b, chunk, temperature=1.0):
     """(logp, entropy, every parameter's gradient) of a loss weighting each token differently."""
     model.zero_grad(set_to_none=True)
@@ -149,10 +154,9 @@ def test_chunked_logprobs_under_bf16_autocast_are_no_less_exact_than_the_plain_o
     torch.testing.assert_close(got[0], plain[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[1], plain[1], rtol=1e-5, atol=1e-5)
     assert not torch.equal(plain[0], exact[0])  # so autocast really ran in bf16
-    for name, g in exact[2].items():
-        err_plain = ((plain[2][name] - g).norm() / g.norm()).item()
-        err_got = ((got[2][name] - g).norm() / g.norm()).item()
-        assert err_got <= err_plain * 1.01 + 1e-7 and err_got < 0.05, name
+    err_plain, err_got = relative_errors(plain[2], exact[2]), relative_errors(got[2], exact[2])
+    for name in exact[2]:
+        assert err_got[name] <= err_plain[name] * 1.01 + 1e-7 and err_got[name] < 0.05, name
 
 
 def test_chunked_logprobs_without_gradients_and_a_wrong_offset_fails():
@@ -449,10 +453,9 @@ def test_lean_activations_keep_fewer_tensors_and_give_the_same_gradients(arch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got16 = logp_and_grads(lean, b, 0, 0.7)
     assert torch.equal(got16[0], plain16[0])
-    for name, g in want[2].items():
-        err_plain = ((plain16[2][name] - g).norm() / g.norm()).item()
-        err_lean = ((got16[2][name] - g).norm() / g.norm()).item()
-        assert err_lean < max(2 * err_plain, 0.02), name
+    err_plain, err_lean = relative_errors(plain16[2], want[2]), relative_errors(got16[2], want[2])
+    for name in want[2]:
+        assert err_lean[name] < max(2 * err_plain[name], 0.02), name
     if arch == "llama" and __import__("importlib").util.find_spec("peft"):
         import lora
         assert memory.lean_activations(lora.add_adapters(copy.deepcopy(model), r=4, alpha=8)) == 5
