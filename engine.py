@@ -105,6 +105,12 @@ def enable_activation_checkpointing(model, enabled: bool = True):
     model.config.use_cache = False
 
 
+def checkpointed(model) -> bool:
+    """Whether the model recomputes activations in backward (transformers 5 renamed the flag)."""
+    flag = getattr(model, "is_activation_checkpointing", None)
+    return bool(getattr(model, "is_gradient_checkpointing", False) if flag is None else flag)
+
+
 @contextlib.contextmanager
 def eval_mode(model):
     """Every module of model in eval mode inside the block, each one's own mode restored after.
@@ -353,11 +359,18 @@ def compile_layers(cfg, *models) -> int:
     """With the 'compiled' sampler (cfg: a grpo.GRPOConfig), also compile each model's decoder
     layers (regional compilation: one graph serves every layer of a model, forward and backward),
     so the training and reference passes run fused kernels too. Returns how many layers it
-    compiled: none under cfg.update_in_backward, whose backward runs twice over one graph.
+    compiled: none under cfg.share_prompts or cfg.update_in_backward (the WHYs below).
     WHY dynamic=True: training sequences change length every step; one graph takes them all.
     NOTE: loss and gradients match eager within float tolerance (tests/test_engine.py)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
     if cfg.sampler != "compiled":
+        return 0
+    if cfg.share_prompts:
+        # WHY: scoring each prompt once hands the layers a KV cache, and a compiled layer then
+        #      compiles again for each layer index and cache state (torch 2.13), past dynamo's
+        #      limit. Eager layers with shared prompts were as fast as compiled ones without at
+        #      hidden 64 and faster at hidden 256 (118 against 163 ms a training forward and
+        #      backward, docs/speed.md).
         return 0
     if cfg.update_in_backward:
         # WHY: memory.step_in_backward runs backward twice over one graph. A compiled layer's
@@ -372,6 +385,76 @@ def compile_layers(cfg, *models) -> int:
     for layer in layers:
         layer.compile(dynamic=True)
     return len(layers)
+
+
+# ----------------------------------------------------------------------------------------------
+# Scoring: one forward per distinct prompt
+# ----------------------------------------------------------------------------------------------
+# WHY (speed, memory): grpo.token_logprobs scores the G completions of a prompt as G whole
+#      sequences, prompt included, so the prompt's layers run G times, forward and backward. Here
+#      they run once per distinct prompt: its keys and values (with their autograd history) are
+#      repeated G times, and only the completions run per row, the way prefill() serves sampling.
+#      Autograd sums the G rows' gradients into the one prompt pass: the same gradient, summed in
+#      another order (tests/test_engine.py). At hidden 256 this cut a training forward and
+#      backward of 8 rows of 54 + 32 tokens from 182 to 114 ms (docs/speed.md).
+def share_blocker(model) -> str | None:
+    """Why shared_logits cannot run on this model, or None if it can."""
+    base = lora.unwrap(model.policy if isinstance(model, lora.AdaptersOff) else model)
+    c = base.config
+    layer_types = getattr(c, "layer_types", None) or ["full_attention"]
+    if transformers_major() < 5 or cache_kwarg(base) != "cache":
+        return "it needs transformers 5's cache API"
+    if getattr(c, "sliding_window", None) is not None or set(layer_types) != {"full_attention"}:
+        return "a sliding-window cache drops keys a training forward still needs"
+    # WHY: checkpointed layers drop the KV cache (a recompute in backward would write it twice),
+    #      and with it the prompt this path hands them.
+    if torch.is_grad_enabled() and base.training and checkpointed(base):
+        return "gradient checkpointing drops the KV cache in training"
+    return None
+
+
+def shared_logits(model, input_ids, attention_mask, T: int):
+    """The logits that predict each of the last T tokens, (n, T, V), as grpo.token_logprobs' one
+    forward over (n, P+T) left-padded prompts and completions computes them, but with each
+    distinct prompt run once; None where that would not help (no prompt repeats) or cannot run
+    (share_blocker). Rows share a prompt when they are neighbours with equal prompt ids and masks,
+    as sample_completions lays out a group."""
+    P = input_ids.shape[1] - T
+    prompt_ids, prompt_mask = input_ids[:, :P], attention_mask[:, :P]                # (n, P)
+    new = torch.ones(len(input_ids), dtype=torch.bool, device=input_ids.device)      # (n,)
+    new[1:] = ((prompt_ids[1:] != prompt_ids[:-1]) | (prompt_mask[1:] != prompt_mask[:-1])).any(1)
+    if new.all() or P < 2 or share_blocker(model) is not None:
+        return None
+    first = new.nonzero().squeeze(1)                                  # (u,) a row per prompt
+    # Each distinct prompt but its last token, once: only its KV cache is kept.
+    # WHY not the last token too: its logit (the first token's) would then come from another
+    #      output-layer call than the rest, whose rounding differs between a policy whose weights
+    #      need gradients and a frozen π_ref (torch's matmul takes another path): at step 1 their
+    #      log-probs must be equal bit for bit, or the KL term's gradient is not exactly 0.
+    mask = prompt_mask[first, :-1]                                                   # (u, P-1)
+    out = model(input_ids=prompt_ids[first, :-1], attention_mask=mask, use_cache=True,
+                # NOTE: positions count from each prompt's first real token, as in sampling.
+                position_ids=(mask.cumsum(1) - 1).clamp(min=0), **last_logits_only(model, 1))
+    cache = out["cache"]
+    cache.batch_select_indices(new.cumsum(0) - 1)  # NOTE: differentiable: a copy for each row
+    # Then per row: the prompt's last token and the completion but its last (which predicts
+    # nothing), after the cached prompt.
+    seen = attention_mask[:, :-1]                                                    # (n, P+T-1)
+    positions = (seen.cumsum(1) - 1).clamp(min=0)[:, P - 1:]                         # (n, T)
+    return model(input_ids=input_ids[:, P - 1:-1], attention_mask=seen, position_ids=positions,
+                 cache=cache, use_cache=True).logits                                 # (n, T, V)
+
+
+def agreement(logp, entropy, sampler_logp, mask) -> torch.Tensor:
+    """The first update's sums over a micro-batch's real tokens: Σ entropy, Σ |log π_θ -
+    log π_sampler| and how many tokens have π_θ/π_sampler outside [0.9, 1.1]; (n, T) each -> (3,)
+    in float64 (grpo.policy_update logs their means as entropy and sampling/*).
+    NOTE: the policy scored twice, by the sampler (token by token, KV cache) and by the update:
+          equal to rounding in fp32; bf16 or a separate engine drift apart."""
+    real = mask.bool()                                                                # (n, T)
+    gap = torch.where(real, logp.detach() - sampler_logp, 0.0)                        # (n, T)
+    return torch.stack([torch.where(real, entropy, 0.0).sum(), gap.abs().sum(),
+                        ((gap.exp() - 1).abs() > 0.1).sum()]).double()                # (3,)
 
 
 AUTO_COMPILE_DECODE_STEPS = 100_000

@@ -165,6 +165,10 @@ class GRPOConfig:
     logprob_chunk: int = 0
     """Score log-probs this many completion tokens at a time (memory.py), never holding a whole
     micro-batch's (n, T, V) logits; the same numbers. 0: all at once (the plain code below)."""
+    share_prompts: bool = True
+    """Score each distinct prompt once and its G completions after it (engine.py), not G whole
+    sequences: the same log-probs and gradient to float rounding, less compute. Not with
+    logprob_chunk, nor in a checkpointed training pass (there it scores whole sequences)."""
     sample_batch_size: int = 0
     """Sample at most this many completions at a time (engine.in_batches), so the KV cache holds
     only theirs; other draws from the same seed, the same distribution. 0: all N at once."""
@@ -438,11 +442,13 @@ def process_advantages(step_rewards: list[list[tuple[int, float]]], group_size: 
 #        for the KL term).
 # WHY: one function scores all three, so they see the same positions, masks and temperature.
 def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                   temperature: float = 1.0, with_entropy: bool = False, chunk: int = 0):
+                   temperature: float = 1.0, with_entropy: bool = False, chunk: int = 0,
+                   share_prompts: bool = False):
     """log π(o_t | q, o_<t) of each completion token: (n, P), (n, T) -> logp (n, T) [, entropy].
 
     Runs with gradients if the caller has them on; wrap it in torch.no_grad() for π_old and π_ref.
     chunk > 0: memory.token_logprobs_chunked computes the same, `chunk` tokens at a time.
+    share_prompts: engine.shared_logits computes the same logits, each prompt run once.
     NOTE: the logits are divided by the sampling temperature, so the loss scores the very
           distribution that drew the tokens; at any temperature but 1 that is not the raw softmax.
     """
@@ -455,11 +461,15 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
     if chunk:  # WHY (memory): at a real vocabulary the (n, T, V) logits below are the largest
         return memory.token_logprobs_chunked(model, input_ids, attention_mask, position_ids,
                                              completion_ids, temperature, with_entropy, chunk)
-    # WHY (memory): logits for the last T+1 positions only; the prompt's (n, P, V) are never read.
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                use_cache=False, **engine.last_logits_only(model, T + 1))
-    # NOTE: the logit at position t predicts token t+1, so the completion's are one to the left.
-    logits = out.logits[:, -(T + 1):-1, :].float() / temperature                      # (n, T, V)
+    # WHY (speed): G completions of one prompt need its layers run once, not G times (engine.py).
+    logits = engine.shared_logits(model, input_ids, attention_mask, T) if share_prompts else None
+    if logits is None:  # NOTE: share_prompts off, or engine.share_blocker says why it cannot
+        # WHY (memory): logits for the last T+1 positions only; the prompt's are never read.
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    use_cache=False, **engine.last_logits_only(model, T + 1))
+        # NOTE: the logit at position t predicts token t+1: the completion's are one to the left.
+        logits = out.logits[:, -(T + 1):-1, :]                                        # (n, T, V)
+    logits = logits.float() / temperature                                             # (n, T, V)
     # PAPER: log softmax(l)[o] = l[o] - logsumexp(l)
     # WHY (memory): gather + logsumexp never keeps a second (n, T, V) log_softmax tensor alive.
     chosen = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)              # (n, T)
@@ -612,17 +622,6 @@ def micro_batches(batch: dict, size: int):
                   batch["completion_ids"][s], batch["completion_mask"][s])        # (n, T), (n, T)
 
 
-def first_update_sums(logp, entropy, sampler_logp, mask) -> torch.Tensor:
-    """Over a micro-batch's real tokens: Σ entropy, Σ |log π_θ - log π_sampler| and how many
-    tokens have π_θ/π_sampler outside [0.9, 1.1]; (n, T) each -> (3,) in float64.
-    NOTE: the policy scored twice, by the sampler (token by token, KV cache) and by the update:
-          equal to rounding in fp32; bf16 or a separate engine drift apart."""
-    real = mask.bool()                                                                # (n, T)
-    gap = torch.where(real, logp.detach() - sampler_logp, 0.0)                        # (n, T)
-    return torch.stack([torch.where(real, entropy, 0.0).sum(), gap.abs().sum(),
-                        ((gap.exp() - 1).abs() > 0.1).sum()]).double()                # (3,)
-
-
 def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOConfig) -> dict:
     """Algorithm 1's inner loop: μ optimizer steps on this batch, each over every micro-batch.
     logp_old is None when μ = 1 (π_old = π_θ). Returns loss, KL, clip, entropy and gradient stats,
@@ -642,14 +641,14 @@ def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOC
     weights = (tok_share if cfg.loss_type in ("token", "cispo")
                else [(s.stop - s.start) / mask.shape[0] for s in slices])
     # NOTE: stats gains kl and clip_ratio/*, each a token-weighted mean over the batch.
-    # NOTE: sums (3,) collects first_update_sums over the first update's micro-batches.
+    # NOTE: sums (3,) collects engine.agreement over the first update's micro-batches.
     stats, grad_norm, skipped, sums = {"loss": 0.0}, 0.0, 0, mask.new_zeros(3, dtype=torch.float64)
     for it in range(mu):
         optimizer.zero_grad(set_to_none=True)
         loss_this_update = 0.0
         for (s, inputs), w, share in zip(micro_batches(batch, size), weights, tok_share):
             logp, entropy = token_logprobs(policy, *inputs, cfg.temperature, True,
-                                           cfg.logprob_chunk)                         # (n, T) x2
+                                           cfg.logprob_chunk, cfg.share_prompts)      # (n, T) x2
             # NOTE: with μ = 1 no π_old pass was run: π_old = π_θ, so logp_old = logp.detach().
             old = logp.detach() if logp_old is None else logp_old[s]                  # (n, T)
             ref = None if logp_ref is None else logp_ref[s]                           # (n, T)
@@ -664,7 +663,7 @@ def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOC
             for k, v in loss_parts.items():
                 stats[k] = stats.get(k, 0.0) + v * share / mu
             if it == 0:
-                sums += first_update_sums(logp, entropy, batch["sampler_logp"][s], mask[s])  # (3,)
+                sums += engine.agreement(logp, entropy, batch["sampler_logp"][s], mask[s])  # (3,)
         stats["loss"] += loss_this_update / mu
         if cfg.update_in_backward:  # NOTE: memory.py: clip and AdamW inside the backward
             grad_norm = memory.step_in_backward(policy.parameters(), optimizer, loss * w,
@@ -725,7 +724,7 @@ def fixed_logprobs(policy, ref_model, batch: dict, cfg: GRPOConfig):
           policy that sampled."""
     def over_batch(model):
         return torch.cat([token_logprobs(model, *inputs, cfg.temperature, False,
-                                         cfg.logprob_chunk)                           # (n, T)
+                                         cfg.logprob_chunk, cfg.share_prompts)        # (n, T)
                           for _, inputs in micro_batches(batch, cfg.micro_batch_size)])  # (N, T)
 
     # NOTE: with μ = 1 this pass is skipped: π_old = π_θ, and policy_update uses logp.detach().

@@ -122,7 +122,7 @@ def grpo_config(a):
                            micro_batch_size=a.prompts * a.group_size,
                            sampler=engine.sampler_for(a.compile, "engine", 0),
                            update_in_backward=a.update_in_backward,
-                           logprob_chunk=a.logprob_chunk)
+                           logprob_chunk=a.logprob_chunk, share_prompts=a.share_prompts)
 
 
 def max_dropout(model) -> float:
@@ -134,14 +134,9 @@ def max_dropout(model) -> float:
     return max(ps, default=0.0)
 
 
-def checkpointing(model) -> bool:
-    """Whether the model recomputes activations in backward (transformers 5 renamed the flag)."""
-    flag = getattr(model, "is_activation_checkpointing", None)
-    return bool(model.is_gradient_checkpointing if flag is None else flag)
-
-
 def our_settings(a, cfg, policy) -> dict:
     """What our side effectively runs with, in the vocabulary both sides share (trl_settings)."""
+    import engine
     return {"group_size": cfg.group_size, "completions_per_step": a.prompts * cfg.group_size,
             "max_new_tokens": cfg.max_new_tokens, "min_new_tokens": cfg.min_new_tokens,
             "temperature": cfg.temperature,
@@ -152,12 +147,14 @@ def our_settings(a, cfg, policy) -> dict:
             "clip_eps_high": cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high,
             "lr": cfg.lr, "lr_schedule": "constant", "weight_decay": cfg.weight_decay,
             "max_grad_norm": cfg.max_grad_norm, "bf16": a.bf16,
-            "gradient_checkpointing": checkpointing(policy), "max_dropout": max_dropout(policy),
+            "gradient_checkpointing": engine.checkpointed(policy),
+            "max_dropout": max_dropout(policy),
             "generation_kv_cache": True}  # NOTE: engine.decode always keeps a KV cache
 
 
 def trl_settings(trainer) -> dict:
     """What TRL's GRPOTrainer effectively ran with, read back from the trainer after training."""
+    import engine
     args, gen = trainer.args, trainer.generation_config
     schedule = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
     warm = args.warmup_steps or getattr(args, "warmup_ratio", 0) or 0
@@ -171,7 +168,7 @@ def trl_settings(trainer) -> dict:
             "clip_eps_high": trainer.epsilon_high, "lr": args.learning_rate,
             "lr_schedule": schedule if not warm else f"{schedule} with warm-up",
             "weight_decay": args.weight_decay, "max_grad_norm": args.max_grad_norm,
-            "bf16": bool(args.bf16), "gradient_checkpointing": checkpointing(trainer.model),
+            "bf16": bool(args.bf16), "gradient_checkpointing": engine.checkpointed(trainer.model),
             "max_dropout": max_dropout(trainer.model),
             "generation_kv_cache": gen.use_cache is not False}
 
@@ -271,6 +268,7 @@ def worker_cmd(a, side: str, model_dir: Path) -> list[str]:
     switches = [f"--{k.replace('_', '-')}" for k in ("bf16", "gradient_checkpointing",
                                                      "update_in_backward", "lean_activations")
                 if getattr(a, k)]
+    switches += [] if a.share_prompts else ["--no-share-prompts"]
     return [sys.executable, __file__, *flags, *switches]
 
 
@@ -326,6 +324,9 @@ def main(argv=None):
     p.add_argument("--lean-activations", action="store_true",
                    help="our side only: SwiGLU MLPs and RMSNorms keep fewer activations for "
                         "backward and recompute the rest (memory.lean_activations; default off)")
+    p.add_argument("--no-share-prompts", dest="share_prompts", action="store_false",
+                   help="our side only: score G whole sequences per prompt, the prompt G times, "
+                        "instead of each prompt once (GRPOConfig.share_prompts; default: once)")
     p.add_argument("--malloc-mmap-threshold", type=int, default=0, metavar="BYTES",
                    help="both sides: glibc gives freed blocks over BYTES back to the system "
                         "(MALLOC_MMAP_THRESHOLD_), so peak RSS follows live tensors rather than "
@@ -410,7 +411,7 @@ def main(argv=None):
         # NOTE: how our side computes the same update, not a setting of the work: left out of
         #       settings_differ on purpose.
         "ours_update_in_backward": a.update_in_backward, "ours_logprob_chunk": a.logprob_chunk,
-        "ours_lean_activations": a.lean_activations,
+        "ours_lean_activations": a.lean_activations, "ours_share_prompts": a.share_prompts,
         "malloc_mmap_threshold": a.malloc_mmap_threshold or "glibc default",
         "threads": a.threads, "rounds": a.rounds, "steps_per_round": a.steps, "warmup": a.warmup,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores"
@@ -432,6 +433,7 @@ def main(argv=None):
         ("ours stepping inside backward", a.update_in_backward),
         (f"ours in log-prob chunks of {a.logprob_chunk}", a.logprob_chunk),
         ("ours with lean activations", a.lean_activations),
+        ("ours scoring each prompt G times", not a.share_prompts),
         (f"MALLOC_MMAP_THRESHOLD_={a.malloc_mmap_threshold} on both", a.malloc_mmap_threshold)]
         if on)
     print(f"\n| {model}, {result['work']}, {result['precision']} on {a.device}{how}, "

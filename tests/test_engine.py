@@ -377,12 +377,16 @@ def test_compiled_layers_give_the_eager_step_within_float_tolerance(tiny, checkp
     tokens, the same metrics and the same updated weights, within float tolerance (the fused
     kernels round differently). With gradient checkpointing too, and with AdamW stepped inside
     backward against the plain eager update: there decoding is compiled and the layers stay
-    eager, since a compiled layer's backward refuses the second pass over its graph."""
+    eager, since a compiled layer's backward refuses the second pass over its graph. Each prompt
+    is scored G times here (share_prompts=False): with it on, the layers are not compiled."""
     tok, base = tiny
     (fast, w_fast, n_fast), (slow, w_slow, n_slow) = (
-        one_step(base, tok, s, checkpointing, **({"update_in_backward": True} if fast else {}))
+        one_step(base, tok, s, checkpointing, share_prompts=False,
+                 **({"update_in_backward": True} if fast else {}))
         for s, fast in (("compiled", in_backward), ("engine", False)))
     assert (n_fast, n_slow) == (0 if in_backward else 4, 0)
+    # NOTE: scoring each prompt once hands the layers a KV cache: they stay eager then.
+    assert engine.compile_layers(grpo.GRPOConfig(sampler="compiled"), copy.deepcopy(base)) == 0
     assert [s["completion"] for s in fast["samples"]] == [s["completion"] for s in slow["samples"]]
     assert slow["reward_std"] > 0 and slow["grad_norm"] > 0
     for key in ("loss", "kl", "entropy", "grad_norm", "reward"):
@@ -488,3 +492,104 @@ def test_eval_mode_restores_each_modules_own_mode_and_skips_transformers_train(t
             raise RuntimeError("inside")
     assert {name: m.training for name, m in model.named_modules()} == before
     assert calls == []
+
+
+# --- scoring each prompt once (GRPOConfig.share_prompts) ----------------------------------------
+def scored_batch(tok, G=3, T=9):
+    """PROMPTS (3 lengths, left-padded) with G random completions of T tokens each, some of which
+    end early: EOS, then pads and a zero mask, as sample_completions lays them out."""
+    enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, len(tok), (len(PROMPTS) * G, T), generator=g)              # (n, T)
+    ends = torch.tensor([T, 4, T, 1, 6, T, T, 2, T])[:len(PROMPTS) * G]              # (n,)
+    mask = (torch.arange(T)[None, :] < ends[:, None]).long()                         # (n, T)
+    ids = torch.where(mask.bool(), ids, tok.pad_token_id)
+    ids[torch.arange(len(ends)), (ends - 1).clamp(max=T - 1)] = tok.eos_token_id
+    return (enc["input_ids"].repeat_interleave(G, 0), enc["attention_mask"].repeat_interleave(G, 0),
+            ids, mask)
+
+
+def embedded_tokens(model):
+    """A list that the model's input embedding appends the number of token ids it sees to."""
+    seen = []
+    model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(
+        args[0].numel()))
+    return seen
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-eager", "gpt2", "qwen2"])
+def test_scoring_each_prompt_once_gives_the_whole_sequences_logprobs_and_gradient(tiny, arch):
+    """token_logprobs with share_prompts runs each of the 3 distinct prompts once and only the
+    completions per row: the embedding sees 3 x (P-1) + 9 x T token ids instead of 9 x (P+T).
+    Its log-probs and entropies (every position, before and after EOS) and the gradient of a
+    masked, weighted sum of them equal the whole-sequence forward's within float tolerance (the
+    same sums, in another order), on SDPA and eager attention, GPT-2's absolute positions and
+    Qwen2's grouped-query attention with q/k/v biases."""
+    tok = tiny[0]
+    model = copy.deepcopy(tiny_world.tiny_qwen2(tok) if arch == "qwen2" else model_for(arch, tiny))
+    assert engine.share_blocker(model) is None
+    prompt_ids, prompt_mask, ids, mask = scored_batch(tok)
+    (n, P), T = prompt_ids.shape, ids.shape[1]
+    weights = torch.linspace(-1, 2, n * T).reshape(n, T) * mask                      # (n, T)
+    seen = embedded_tokens(model)
+    results = {}
+    for share in (False, True):
+        seen.clear()
+        model.zero_grad()
+        logp, entropy = grpo.token_logprobs(model, prompt_ids, prompt_mask, ids, mask, 0.7, True,
+                                            share_prompts=share)
+        (logp * weights).sum().backward()
+        results[share] = (logp.detach(), entropy, [p.grad.clone() for p in model.parameters()],
+                          sum(seen))
+    assert results[False][3] == n * (P + T) and results[True][3] == 3 * (P - 1) + n * T
+    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[True][1], results[False][1], atol=1e-5, rtol=1e-5)
+    for shared, whole in zip(results[True][2], results[False][2]):
+        torch.testing.assert_close(shared, whole, atol=1e-6, rtol=1e-4)
+    assert any(g.abs().sum() > 0 for g in results[False][2])
+
+
+def test_scoring_each_prompt_once_steps_aside_where_it_cannot_help_or_run(tiny):
+    """engine.shared_logits gives None, and token_logprobs then runs its whole-sequence
+    forward (the embedding sees n x (P+T) ids): when no two neighbouring rows share a prompt; in a
+    training pass with gradient checkpointing, whose layers drop the KV cache; and for a sliding
+    window. A no-gradient pass (π_ref) on a checkpointed model still shares."""
+    tok, base = tiny
+    prompt_ids, prompt_mask, ids, mask = scored_batch(tok)
+    (n, P), T = prompt_ids.shape, ids.shape[1]
+    whole_ids, whole_mask = torch.cat([prompt_ids, ids], 1), torch.cat([prompt_mask, mask], 1)
+    assert engine.shared_logits(base, whole_ids, whole_mask, T) is not None
+    assert engine.shared_logits(base, whole_ids[::3], whole_mask[::3], T) is None
+    checkpointed = copy.deepcopy(base)
+    engine.enable_activation_checkpointing(checkpointed)
+    checkpointed.train()
+    assert "checkpointing" in engine.share_blocker(checkpointed)
+    seen = embedded_tokens(checkpointed)
+    logp = grpo.token_logprobs(checkpointed, prompt_ids, prompt_mask, ids, mask,
+                               share_prompts=True)
+    assert seen == [n * (P + T)]
+    torch.testing.assert_close(logp, grpo.token_logprobs(base, prompt_ids, prompt_mask, ids, mask))
+    seen.clear()
+    with torch.no_grad():
+        grpo.token_logprobs(checkpointed, prompt_ids, prompt_mask, ids, mask, share_prompts=True)
+    assert sum(seen) == 3 * (P - 1) + n * T
+    sliding = copy.deepcopy(base)
+    sliding.config.sliding_window = 16
+    assert "sliding" in engine.share_blocker(sliding)
+    assert engine.shared_logits(sliding, whole_ids, whole_mask, T) is None
+
+
+def test_a_frozen_reference_scores_shared_prompts_bit_for_bit_as_the_policy(tiny):
+    """At step 1 π_ref is a frozen copy of π_θ, and with every advantage 0 the update must be
+    exactly 0: the KL term's gradient is 0 only if log π_ref equals log π_θ bit for bit. With
+    shared prompts, a frozen copy (weights without gradients, eval mode, no_grad) scores exactly
+    what the policy's training pass scores. (A first version took the first completion token's
+    logit from the prompt's own forward, where torch's matmul rounds differently for weights
+    that need gradients: 2e-7 apart, and the weights moved in a step with no signal.)"""
+    tok = tiny[0]
+    policy = grpo.disable_dropout(copy.deepcopy(tiny[1])).train()
+    inputs = scored_batch(tok)
+    logp, _ = grpo.token_logprobs(policy, *inputs, 1.0, True, 0, True)
+    with torch.no_grad():
+        ref = grpo.token_logprobs(grpo.make_reference(policy), *inputs, 1.0, False, 0, True)
+    assert torch.equal(logp, ref)
