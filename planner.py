@@ -114,6 +114,7 @@ class StepSettings:
     offload_activations: bool = False
     lean_activations: bool = False
     update_in_backward: bool = False
+    share_prompts: bool = True
     lora_r: int = 0
     lora_target_modules: str = "all-linear"
 
@@ -165,7 +166,16 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
     if s.offload_activations:
         kept = 0                                           # saved tensors wait in CPU RAM
     one_block = full if (s.gradient_checkpointing or s.offload_activations) else 0
-    parts["activations"] = n * S * (L * kept + one_block + 10 * h)
+    # NOTE: share_prompts (engine.shared_logits): a micro-batch's u distinct prompts run once and
+    #       each of its n rows keeps a copy of its prompt's keys and values for attention; not in
+    #       chunks, nor in a checkpointed training pass, which score whole sequences.
+    u, P = -(-n // s.group_size), s.prompt_tokens
+    kv_copies = n * P * L * 2 * shape.kv_heads * shape.head_dim * (2 if s.bf16 else 4)
+    scores_shared = s.share_prompts and not s.logprob_chunk
+    shared = scores_shared and not s.gradient_checkpointing
+    tokens = u * P + n * s.max_new_tokens if shared else n * S   # tokens through the blocks
+    parts["activations"] = (tokens * (L * kept + one_block + 10 * h)
+                            + (kv_copies if shared and not s.offload_activations else 0))
     T = s.max_new_tokens
     rows = min(s.logprob_chunk, n * T) if s.logprob_chunk else n * T
     # WHY 3.5 (measured: docs/memory.md): the fp32 logits kept for backward, and the (rows, V)
@@ -195,7 +205,9 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
     copies = parts["autocast copies"] + parts.get("critic autocast copies", 0)
     phases = {
         "sampling": parts["KV cache"] + 2 * decoded * V * 4 + copies,
-        "scoring": 3 * unit + n * S * full + copies,   # logits, their copy, logsumexp's
+        # NOTE: the logits, their copy and logsumexp's, and the blocks' no-grad temporaries
+        "scoring": 3 * unit + copies + ((u * P + n * T) * full + kv_copies if scores_shared
+                                        else n * S * full),
         "backward": train + copies,
         # NOTE: at backward's end every gradient exists, and the embedding's arrives as a dense
         #       (V, h) tensor before it is added into its .grad; in chunks a tied embedding adds

@@ -49,7 +49,8 @@ def step_flops(model, prompt_lens, completion_lens, group_size: int, beta: float
     """Matmul FLOPs of one grpo_step on these rows (real lengths, no padding), counted as 2 per
     multiply-add: generation (one prefill per prompt, then one token at a time over the growing
     context), the no-grad passes (π_ref when β != 0, π_old when μ > 1) and μ training passes at 3x a
-    forward (backward is two matmuls per forward matmul). Per token, a forward costs 2 x the
+    forward (backward is two matmuls per forward matmul), each scoring a prompt once and its G
+    completions after it. Per token, a forward costs 2 x the
     Linear weights it passes through, plus causal attention's QK^T and AV: 4 x layers x
     (heads x head_dim) x the context length. Every position passes through the transformer body;
     only the positions read pass through lm_head."""
@@ -69,7 +70,11 @@ def step_flops(model, prompt_lens, completion_lens, group_size: int, beta: float
     flops = forward(prompt_lens[::group_size], [1] * len(prompt_lens[::group_size]))  # prefill
     for P, T in zip(prompt_lens, completion_lens):                # decode: T - 1 more tokens
         flops += sum(2 * (body + lm) + attn * (P + t) for t in range(1, T))
-    full = forward([P + T for P, T in zip(prompt_lens, completion_lens)], completion_lens)
+    # NOTE: a scoring pass runs each distinct prompt once and each completion after it (the least
+    #       work, and what GRPOConfig.share_prompts does): T positions, contexts P+1 .. P+T.
+    full = forward(prompt_lens[::group_size], [0] * len(prompt_lens[::group_size])) + sum(
+        2 * (body + lm) * T + attn * (P * T + T * (T + 1) / 2)
+        for P, T in zip(prompt_lens, completion_lens))
     passes = (beta != 0) + (num_iterations > 1) + 3 * num_iterations
     return flops + passes * full
 

@@ -87,20 +87,22 @@ def test_step_flops_by_hand():
     context position. One prompt of 3 tokens, G = 2, completions of 2 and 1 tokens, β > 0, μ = 1:
       prefill 2*640*3 + 2*80*1 + 32*(3*4/2)                              =  4,192
       decode  (row 1, its second token, context 4) 2*720 + 32*4           =  1,568
-      a full pass over lengths 5 and 4, logits for 2 and 1 positions:
-              2*640*5 + 2*80*2 + 32*15 = 7,200; 2*640*4 + 2*80 + 32*10 = 5,600 -> 12,800
-      passes: π_ref, plus the training pass at 3x                          -> 4 * 12,800
-    total 4,192 + 1,568 + 51,200 = 56,960."""
+      a scoring pass, the prompt once (no logits) and each completion after it, its T positions
+      at contexts P+1 .. P+T:
+              prompt 2*640*3 + 32*(3*4/2) = 4,032; row 1 2*720*2 + 32*(4+5) = 3,168;
+              row 2 2*720*1 + 32*4 = 1,568                                 ->  8,768
+      passes: π_ref, plus the training pass at 3x                          -> 4 * 8,768
+    total 4,192 + 1,568 + 35,072 = 40,832."""
     from transformers import LlamaConfig, LlamaForCausalLM
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from profile_step import step_flops
     model = LlamaForCausalLM(LlamaConfig(vocab_size=10, hidden_size=8, intermediate_size=16,
                                          num_hidden_layers=1, num_attention_heads=2,
                                          num_key_value_heads=2, tie_word_embeddings=True))
-    assert step_flops(model, [3, 3], [2, 1], group_size=2, beta=0.04, num_iterations=1) == 56_960
+    assert step_flops(model, [3, 3], [2, 1], group_size=2, beta=0.04, num_iterations=1) == 40_832
     # β = 0 drops the reference pass; μ = 2 adds π_old's pass and a second training pass
-    assert step_flops(model, [3, 3], [2, 1], 2, 0.0, 1) == 56_960 - 12_800
-    assert step_flops(model, [3, 3], [2, 1], 2, 0.04, 2) == 56_960 + 4 * 12_800
+    assert step_flops(model, [3, 3], [2, 1], 2, 0.0, 1) == 40_832 - 8_768
+    assert step_flops(model, [3, 3], [2, 1], 2, 0.04, 2) == 40_832 + 4 * 8_768
 
 
 def test_scaling_fit_recovers_a_known_power_law():

@@ -36,20 +36,28 @@ def test_parts_by_hand():
             2 norms 128, so 65,664; two blocks 131,328; final norm 64 -> 137,792.
     weights = gradients = reference = 4 * 137,792 = 551,168; AdamW 8 * 137,792 = 1,102,336.
     activations: S = 16 tokens; per token and block 4 * (10*64 + 4*256 + S + heads 4 + 2) =
-            4 * 1,686 = 6,744 bytes; n*S*(2 * 6,744 + 10*64) = 64 * 14,128 = 904,192.
+            4 * 1,686 = 6,744 bytes, and per token 2 * 6,744 + 10*64 = 14,128. Each of the 2
+            prompts scored once (share_prompts): 2*10 + 4*6 = 44 tokens, 44 * 14,128 = 621,632,
+            plus each row's copy of its prompt's keys and values, 4 rows * 10 * 2 blocks * 2 *
+            4 heads * 16 * 4 bytes = 40,960: 662,592. (Whole sequences: n*S = 64 tokens,
+            64 * 14,128 = 904,192.)
     logits: n*T = 24 rows, one unit 24*100*4 = 9,600; 3.5 units = 33,600.
     KV cache: 2 * 2 blocks * 4 heads * 16 * S=16 * N=4 * 4 bytes = 65,536.
-    backward = activations + logits + the output layer's gradient (64*100*4 = 25,600) = 963,392.
+    backward = activations + logits + the output layer's gradient (64*100*4 = 25,600) = 721,792
+            (whole sequences: 963,392).
     optimizer (backward's end): every gradient and the embedding's dense one, 551,168 + 25,600.
-    peak = weights + reference + AdamW (2,204,672) + backward = 3,168,064."""
+    peak = weights + reference + AdamW (2,204,672) + backward = 2,926,464 (3,168,064)."""
     shape = planner.model_shape(SMALL)
     assert shape.params == 137_792
     res = planner.step_memory(shape, SETTINGS)
     assert res["parts"] == {"weights": 551_168, "gradients": 551_168, "optimizer": 1_102_336,
-                            "reference": 551_168, "autocast copies": 0, "activations": 904_192,
+                            "reference": 551_168, "autocast copies": 0, "activations": 662_592,
                             "logits": 33_600, "KV cache": 65_536}
-    assert res["phases"]["backward"] == 963_392 and res["phases"]["optimizer"] == 576_768
-    assert res["peak_phase"] == "backward" and res["peak"] == 3_168_064
+    assert res["phases"]["backward"] == 721_792 and res["phases"]["optimizer"] == 576_768
+    assert res["peak_phase"] == "backward" and res["peak"] == 2_926_464
+    whole = planner.step_memory(shape, replace(SETTINGS, share_prompts=False))
+    assert whole["parts"]["activations"] == 904_192 and whole["phases"]["backward"] == 963_392
+    assert whole["peak"] == 3_168_064
 
 
 @pytest.mark.parametrize("config", [
@@ -89,6 +97,15 @@ def test_each_switch_moves_its_part():
     assert ckpt["activations"] < base["parts"]["activations"]
     chunk = planner.step_memory(shape, replace(s, logprob_chunk=8))["parts"]
     assert chunk["logits"] < base["parts"]["logits"]
+    # each prompt scored once (the default): fewer tokens through the blocks in both passes; a
+    # checkpointed training pass and the chunked path score whole sequences either way
+    whole = planner.step_memory(shape, replace(s, share_prompts=False))
+    assert whole["parts"]["activations"] > base["parts"]["activations"]
+    assert whole["phases"]["scoring"] > base["phases"]["scoring"]
+    assert planner.step_memory(shape, replace(s, gradient_checkpointing=True, share_prompts=False)
+                               )["parts"]["activations"] == ckpt["activations"]
+    assert (planner.step_memory(shape, replace(s, logprob_chunk=8, share_prompts=False))["phases"]
+            == planner.step_memory(shape, replace(s, logprob_chunk=8))["phases"])
     bf16 = planner.step_memory(shape, replace(s, bf16=True))["parts"]
     assert bf16["autocast copies"] > 0 and bf16["reference"] == base["parts"]["reference"] / 2
     two = planner.step_memory(shape, replace(s, micro_batch_size=2))
