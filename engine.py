@@ -413,26 +413,18 @@ def share_blocker(model) -> str | None:
     return None
 
 
-def shared_logits(model, input_ids, attention_mask, T: int, backbone=None, embeds=None):
+def shared_logits(model, input_ids, attention_mask, T: int):
     """The logits that predict each of the last T tokens, (n, T, V), as grpo.token_logprobs' one
     forward over (n, P+T) left-padded prompts and completions computes them, but with each
     distinct prompt run once; None where that would not help (no prompt repeats) or cannot run
     (share_blocker). Rows share a prompt when they are neighbours with equal prompt ids and masks,
-    as sample_completions lays out a group. With `backbone` (memory.token_logprobs_chunked): the
-    backbone's last hidden states (n, T, H) instead, fed `embeds` (n, P+T, H) where given."""
+    as sample_completions lays out a group."""
     P = input_ids.shape[1] - T
     prompt_ids, prompt_mask = input_ids[:, :P], attention_mask[:, :P]                # (n, P)
     new = torch.ones(len(input_ids), dtype=torch.bool, device=input_ids.device)      # (n,)
     new[1:] = ((prompt_ids[1:] != prompt_ids[:-1]) | (prompt_mask[1:] != prompt_mask[:-1])).any(1)
     if new.all() or P < 2 or share_blocker(model) is not None:
         return None
-    run, keep = (model, last_logits_only(model, 1)) if backbone is None else (backbone, {})
-
-    def tokens(rows, columns):  # the ids, or the given embeddings, of these rows and positions
-        if embeds is None:
-            return {"input_ids": input_ids[rows, columns]}
-        return {"input_ids": None, "inputs_embeds": embeds[rows, columns]}
-
     first = new.nonzero().squeeze(1)                                  # (u,) a row per prompt
     # Each distinct prompt but its last token, once: only its KV cache is kept.
     # WHY not the last token too: its logit (the first token's) would then come from another
@@ -440,18 +432,17 @@ def shared_logits(model, input_ids, attention_mask, T: int, backbone=None, embed
     #      need gradients and a frozen π_ref (torch's matmul takes another path): at step 1 their
     #      log-probs must be equal bit for bit, or the KL term's gradient is not exactly 0.
     mask = prompt_mask[first, :-1]                                                   # (u, P-1)
-    out = run(**tokens(first, slice(0, P - 1)), attention_mask=mask, use_cache=True,
-              # NOTE: positions count from each prompt's first real token, as in sampling.
-              position_ids=(mask.cumsum(1) - 1).clamp(min=0), **keep)
+    out = model(input_ids=prompt_ids[first, :-1], attention_mask=mask, use_cache=True,
+                # NOTE: positions count from each prompt's first real token, as in sampling.
+                position_ids=(mask.cumsum(1) - 1).clamp(min=0), **last_logits_only(model, 1))
     cache = out["cache"]
     cache.batch_select_indices(new.cumsum(0) - 1)  # NOTE: differentiable: a copy for each row
     # Then per row: the prompt's last token and the completion but its last (which predicts
     # nothing), after the cached prompt.
     seen = attention_mask[:, :-1]                                                    # (n, P+T-1)
     positions = (seen.cumsum(1) - 1).clamp(min=0)[:, P - 1:]                         # (n, T)
-    out = run(**tokens(slice(None), slice(P - 1, -1)), attention_mask=seen, position_ids=positions,
-              cache=cache, use_cache=True)
-    return out.logits if backbone is None else out.last_hidden_state     # (n, T, V) or (n, T, H)
+    return model(input_ids=input_ids[:, P - 1:-1], attention_mask=seen, position_ids=positions,
+                 cache=cache, use_cache=True).logits                                 # (n, T, V)
 
 
 def agreement(logp, entropy, sampler_logp, mask) -> torch.Tensor:

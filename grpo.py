@@ -167,8 +167,8 @@ class GRPOConfig:
     micro-batch's (n, T, V) logits; the same numbers. 0: all at once (the plain code below)."""
     share_prompts: bool = True
     """Score each distinct prompt once and its G completions after it (engine.py), not G whole
-    sequences: the same log-probs and gradient to float rounding, less compute and memory. Not in
-    a checkpointed training pass (there it scores whole sequences)."""
+    sequences: the same log-probs and gradient to float rounding, less compute. Not with
+    logprob_chunk, nor in a checkpointed training pass (there it scores whole sequences)."""
     sample_batch_size: int = 0
     """Sample at most this many completions at a time (engine.in_batches), so the KV cache holds
     only theirs; other draws from the same seed, the same distribution. 0: all N at once."""
@@ -459,8 +459,8 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
     #      we, or models with absolute position embeddings would score a different sequence.
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)                        # (n, P+T)
     if chunk:  # WHY (memory): at a real vocabulary the (n, T, V) logits below are the largest
-        return memory.token_logprobs_chunked(model, input_ids, attention_mask, completion_ids,
-                                             temperature, with_entropy, chunk, share_prompts)
+        return memory.token_logprobs_chunked(model, input_ids, attention_mask, position_ids,
+                                             completion_ids, temperature, with_entropy, chunk)
     # WHY (speed): G completions of one prompt need its layers run once, not G times (engine.py).
     logits = engine.shared_logits(model, input_ids, attention_mask, T) if share_prompts else None
     if logits is None:  # NOTE: share_prompts off, or engine.share_blocker says why it cannot

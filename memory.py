@@ -2,7 +2,7 @@
 memory.py -- memory machinery beside grpo.py: log-probs in chunks, lean activations, activations
 kept in CPU RAM, AdamW stepped inside backward.
 
-    logp = token_logprobs_chunked(model, ids, mask, completion_ids, 1.0, False, 1024)
+    logp = token_logprobs_chunked(model, ids, mask, positions, completion_ids, 1.0, False, 1024)
     lean_activations(model)          # SwiGLU MLPs and RMSNorms keep fewer tensors for backward
     with offloaded(True):            # tensors saved for backward go to CPU RAM (on a GPU)
         grpo.grpo_step(...)
@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import engine
 import lora
 
 
@@ -162,32 +161,24 @@ def _chunk_logp(head, h, ids, temperature: float, with_entropy: bool):
     return logp, entropy                                                              # (c,) x2
 
 
-def token_logprobs_chunked(model, input_ids, attention_mask, completion_ids, temperature: float,
-                           with_entropy: bool, chunk: int, share_prompts: bool = False):
+def token_logprobs_chunked(model, input_ids, attention_mask, position_ids, completion_ids,
+                           temperature: float, with_entropy: bool, chunk: int):
     """grpo.token_logprobs' numbers without its (n, T, V) logits: the output layer, log-softmax
     and gather run over `chunk` completion tokens at a time (n * T of them, flattened).
-    (n, P+T) inputs, (n, T) completion_ids -> logp (n, T) [, entropy (n, T)].
-    share_prompts: each distinct prompt runs once (engine.shared_logits), as in the plain path."""
+    (n, P+T) inputs, (n, T) completion_ids -> logp (n, T) [, entropy (n, T)]."""
     n, T = completion_ids.shape
     if isinstance(model, lora.AdaptersOff):  # π_ref of a LoRA policy: the policy, adapters off
         with model.policy.disable_adapter():
-            return token_logprobs_chunked(model.policy, input_ids, attention_mask, completion_ids,
-                                          temperature, with_entropy, chunk, share_prompts)
+            return token_logprobs_chunked(model.policy, input_ids, attention_mask, position_ids,
+                                          completion_ids, temperature, with_entropy, chunk)
     backbone, head = backbone_and_head(model)
     sink = []  # NOTE: the output layer's gradient, handed on to a tied input embedding
     embeds = _embeddings(model, input_ids, sink)                                      # (n, P+T, H)
-    hidden = (engine.shared_logits(model, input_ids, attention_mask, T, backbone, embeds)
-              if share_prompts else None)                                             # (n, T, H)
-    if hidden is None:
-        hidden = backbone(input_ids=None if embeds is not None else input_ids,
-                          inputs_embeds=embeds, attention_mask=attention_mask, use_cache=False,
-                          # WHY: positions from each row's first real token, as in sampling
-                          position_ids=(attention_mask.cumsum(1) - 1).clamp(min=0),
-                          ).last_hidden_state                                         # (n, P+T, H)
-        # NOTE: the hidden state at position t predicts token t+1: the completion's are one to the
-        #       left.
-        hidden = hidden[:, -(T + 1):-1, :]                                            # (n, T, H)
-    h = hidden.reshape(n * T, -1)                                                     # (n*T, H)
+    hidden = backbone(input_ids=None if embeds is not None else input_ids, inputs_embeds=embeds,
+                      attention_mask=attention_mask, position_ids=position_ids,
+                      use_cache=False).last_hidden_state                              # (n, P+T, H)
+    # NOTE: the hidden state at position t predicts token t+1: the completion's are one to the left.
+    h = hidden[:, -(T + 1):-1, :].reshape(n * T, -1)                                  # (n*T, H)
     ids = completion_ids.reshape(n * T)                                               # (n*T,)
     if type(head) is torch.nn.Linear and head.bias is None:  # WHY: the lean path, written out
         logp, entropy = _LinearLogp.apply(h, head.weight, ids, temperature, chunk, with_entropy,

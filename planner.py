@@ -168,10 +168,10 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
     one_block = full if (s.gradient_checkpointing or s.offload_activations) else 0
     # NOTE: share_prompts (engine.shared_logits): a micro-batch's u distinct prompts run once and
     #       each of its n rows keeps a copy of its prompt's keys and values for attention; not in
-    #       a checkpointed training pass, which scores whole sequences.
+    #       chunks, nor in a checkpointed training pass, which score whole sequences.
     u, P = -(-n // s.group_size), s.prompt_tokens
     kv_copies = n * P * L * 2 * shape.kv_heads * shape.head_dim * (2 if s.bf16 else 4)
-    scores_shared = s.share_prompts
+    scores_shared = s.share_prompts and not s.logprob_chunk
     shared = scores_shared and not s.gradient_checkpointing
     tokens = u * P + n * s.max_new_tokens if shared else n * S   # tokens through the blocks
     parts["activations"] = (tokens * (L * kept + one_block + 10 * h)

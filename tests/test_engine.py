@@ -579,57 +579,17 @@ def test_scoring_each_prompt_once_steps_aside_where_it_cannot_help_or_run(tiny):
     assert engine.shared_logits(sliding, whole_ids, whole_mask, T) is None
 
 
-def layer_tokens(model):
-    """A list that the first decoder layer appends the number of positions it runs to."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-    layer = next(m for m in model.modules() if isinstance(m, GradientCheckpointingLayer))
-    seen = []
-    layer.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[:2].numel()))
-    return seen
-
-
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
-def test_scoring_each_prompt_once_in_chunks_gives_the_same_logprobs_and_gradient(tiny, arch):
-    """The chunked path (memory.token_logprobs_chunked, chunk 5) with share_prompts runs each of
-    the 3 prompts once through the blocks (3 x (P-1) + 9 x T positions) and gives the plain
-    whole-sequence log-probs, entropies and gradient within float tolerance, through the
-    written-out output layer and a tied embedding (memory._TiedEmbedding) on Llama, GPT-2 and
-    Qwen2."""
-    tok = tiny[0]
-    model = copy.deepcopy(tiny_world.tiny_qwen2(tok) if arch == "qwen2" else model_for(arch, tiny))
-    prompt_ids, prompt_mask, ids, mask = scored_batch(tok)
-    (n, P), T = prompt_ids.shape, ids.shape[1]
-    weights = torch.linspace(-1, 2, n * T).reshape(n, T) * mask                      # (n, T)
-    seen = layer_tokens(model)
-    results = {}
-    for chunk, share in ((0, False), (5, True)):
-        seen.clear()
-        model.zero_grad()
-        logp, entropy = grpo.token_logprobs(model, prompt_ids, prompt_mask, ids, mask, 0.7, True,
-                                            chunk, share)
-        (logp * weights).sum().backward()
-        results[share] = (logp.detach(), entropy, [p.grad.clone() for p in model.parameters()],
-                          sum(seen))
-    assert results[False][3] == n * (P + T) and results[True][3] == 3 * (P - 1) + n * T
-    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(results[True][1], results[False][1], atol=1e-5, rtol=1e-5)
-    for shared, whole in zip(results[True][2], results[False][2]):
-        torch.testing.assert_close(shared, whole, atol=1e-6, rtol=1e-4)
-
-
-@pytest.mark.parametrize("chunk", [0, 4], ids=["plain", "chunks"])
-def test_a_frozen_reference_scores_shared_prompts_bit_for_bit_as_the_policy(tiny, chunk):
+def test_a_frozen_reference_scores_shared_prompts_bit_for_bit_as_the_policy(tiny):
     """At step 1 π_ref is a frozen copy of π_θ, and with every advantage 0 the update must be
     exactly 0: the KL term's gradient is 0 only if log π_ref equals log π_θ bit for bit. With
     shared prompts, a frozen copy (weights without gradients, eval mode, no_grad) scores exactly
     what the policy's training pass scores. (A first version took the first completion token's
     logit from the prompt's own forward, where torch's matmul rounds differently for weights
-    that need gradients: 2e-7 apart, and the weights moved in a step with no signal.) In chunks
-    too, where the policy's embeddings go through memory._TiedEmbedding."""
+    that need gradients: 2e-7 apart, and the weights moved in a step with no signal.)"""
     tok = tiny[0]
     policy = grpo.disable_dropout(copy.deepcopy(tiny[1])).train()
     inputs = scored_batch(tok)
-    logp, _ = grpo.token_logprobs(policy, *inputs, 1.0, True, chunk, True)
+    logp, _ = grpo.token_logprobs(policy, *inputs, 1.0, True, 0, True)
     with torch.no_grad():
-        ref = grpo.token_logprobs(grpo.make_reference(policy), *inputs, 1.0, False, chunk, True)
+        ref = grpo.token_logprobs(grpo.make_reference(policy), *inputs, 1.0, False, 0, True)
     assert torch.equal(logp, ref)

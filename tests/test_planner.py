@@ -97,15 +97,15 @@ def test_each_switch_moves_its_part():
     assert ckpt["activations"] < base["parts"]["activations"]
     chunk = planner.step_memory(shape, replace(s, logprob_chunk=8))["parts"]
     assert chunk["logits"] < base["parts"]["logits"]
-    # each prompt scored once (the default): fewer tokens through the blocks in both passes, in
-    # chunks too; a checkpointed training pass scores whole sequences either way
+    # each prompt scored once (the default): fewer tokens through the blocks in both passes; a
+    # checkpointed training pass and the chunked path score whole sequences either way
     whole = planner.step_memory(shape, replace(s, share_prompts=False))
     assert whole["parts"]["activations"] > base["parts"]["activations"]
     assert whole["phases"]["scoring"] > base["phases"]["scoring"]
     assert planner.step_memory(shape, replace(s, gradient_checkpointing=True, share_prompts=False)
                                )["parts"]["activations"] == ckpt["activations"]
-    assert (planner.step_memory(shape, replace(s, logprob_chunk=8, share_prompts=False))["parts"]
-            ["activations"] > chunk["activations"])
+    assert (planner.step_memory(shape, replace(s, logprob_chunk=8, share_prompts=False))["phases"]
+            == planner.step_memory(shape, replace(s, logprob_chunk=8))["phases"])
     bf16 = planner.step_memory(shape, replace(s, bf16=True))["parts"]
     assert bf16["autocast copies"] > 0 and bf16["reference"] == base["parts"]["reference"] / 2
     two = planner.step_memory(shape, replace(s, micro_batch_size=2))
