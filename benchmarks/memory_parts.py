@@ -58,7 +58,7 @@ def reset_peak():
 def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads: int,
             beta: float = 0.04, gradient_checkpointing: bool = False, logprob_chunk: int = 0,
             lora_r: int = 0, baseline: str = "group", update_in_backward: bool = False,
-            lean_activations: bool = False) -> dict:
+            lean_activations: bool = False, share_prompts: bool = True) -> dict:
     """Persistent memory by part and each phase's peak in step 2 of grpo_step, in MB.
     baseline='critic': PPO's step (ppo.Critic) instead, with its value model and AdamW state.
     update_in_backward: AdamW steps inside backward (memory.step_in_backward), which is then one
@@ -88,7 +88,7 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
     cfg = grpo.GRPOConfig(group_size=group_size, max_new_tokens=tokens, min_new_tokens=tokens,
                           beta=beta, lr=1e-4, micro_batch_size=prompts * group_size,
                           sampler="engine", logprob_chunk=logprob_chunk, baseline=baseline,
-                          update_in_backward=update_in_backward)
+                          update_in_backward=update_in_backward, share_prompts=share_prompts)
     before = status_mb("VmRSS")
     ref = (None if not beta else lora.AdaptersOff(policy) if lora_r
            else grpo.make_reference(policy))
@@ -210,6 +210,9 @@ def main(argv=None):
     p.add_argument("--lean-activations", action="store_true",
                    help="SwiGLU MLPs and RMSNorms keep fewer activations for backward "
                         "(memory.lean_activations)")
+    p.add_argument("--no-share-prompts", dest="share_prompts", action="store_false",
+                   help="score G whole sequences per prompt, not each prompt once "
+                        "(GRPOConfig.share_prompts)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--plan-check", metavar="SIZES",
                    help="measure planner.py's prediction against these sizes (comma-separated "
@@ -236,7 +239,7 @@ def main(argv=None):
         with contextlib.redirect_stdout(sys.stderr):
             res = measure(a.worker, a.group_size, a.prompts, a.tokens, a.threads, a.beta,
                           a.gradient_checkpointing, a.logprob_chunk, a.lora_r, a.baseline,
-                          a.update_in_backward, a.lean_activations)
+                          a.update_in_backward, a.lean_activations, a.share_prompts)
         print(json.dumps(res))
         return res
     # WHY a fresh process: building the model here leaves freed memory behind in this one, which
@@ -257,7 +260,8 @@ def main(argv=None):
                      f"G={a.group_size}, {a.prompts} prompts, {a.tokens} tokens, fp32, "
                      f"gradient checkpointing {'on' if a.gradient_checkpointing else 'off'}, "
                      f"log-prob chunk {a.logprob_chunk or 'off'}, LoRA r {a.lora_r or 'off'}"
-                     + (", lean activations" if a.lean_activations else ""))
+                     + (", lean activations" if a.lean_activations else "")
+                     + ("" if a.share_prompts else ", each prompt scored G times"))
     print(f"planner.py's prediction: {res['planned_peak_mb']:,.0f} MB over the imports "
           f"({res['planned_phase']}); measured {res['peak_over_baseline_mb']:,.0f} "
           f"({res['plan_error']:+.1%})")
