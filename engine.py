@@ -369,7 +369,7 @@ def compile_layers(cfg, *models) -> int:
         # WHY: scoring each prompt once hands the layers a KV cache, and a compiled layer then
         #      compiles again for each layer index and cache state (torch 2.13), past dynamo's
         #      limit. Eager layers with shared prompts were as fast as compiled ones without at
-        #      hidden 64 and faster at hidden 256 (118 against 163 ms a training forward and
+        #      hidden 64 and faster at hidden 256 (115 against 163 ms a training forward and
         #      backward, docs/speed.md).
         return 0
     if cfg.update_in_backward:
@@ -399,7 +399,7 @@ def compile_layers(cfg, *models) -> int:
 #      backward of 8 rows of 54 + 32 tokens from 182 to 114 ms (docs/speed.md).
 def share_blocker(model) -> str | None:
     """Why shared_logits cannot run on this model, or None if it can."""
-    base = lora.unwrap(model.policy if isinstance(model, lora.AdaptersOff) else model)
+    base = lora.unwrap(model)  # NOTE: a LoRA π_ref (lora.AdaptersOff) unwraps to the policy's base
     c = base.config
     layer_types = getattr(c, "layer_types", None) or ["full_attention"]
     if transformers_major() < 5 or cache_kwarg(base) != "cache":

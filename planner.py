@@ -169,14 +169,13 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
     # NOTE: share_prompts (engine.shared_logits): a micro-batch's u distinct prompts run once and
     #       each of its n rows keeps a copy of its prompt's keys and values for attention; not in
     #       chunks, nor in a checkpointed training pass, which score whole sequences.
-    u, P = -(-n // s.group_size), s.prompt_tokens
+    u, P, T = -(-n // s.group_size), s.prompt_tokens, s.max_new_tokens
     kv_copies = n * P * L * 2 * shape.kv_heads * shape.head_dim * (2 if s.bf16 else 4)
     scores_shared = s.share_prompts and not s.logprob_chunk
     shared = scores_shared and not s.gradient_checkpointing
-    tokens = u * P + n * s.max_new_tokens if shared else n * S   # tokens through the blocks
+    tokens = u * P + n * T if shared else n * S                 # tokens through the blocks
     parts["activations"] = (tokens * (L * kept + one_block + 10 * h)
                             + (kv_copies if shared and not s.offload_activations else 0))
-    T = s.max_new_tokens
     rows = min(s.logprob_chunk, n * T) if s.logprob_chunk else n * T
     # WHY 3.5 (measured: docs/memory.md): the fp32 logits kept for backward, and the (rows, V)
     #      gradients of logsumexp, gather and the slice that backward makes, partly at once.

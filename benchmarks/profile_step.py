@@ -67,12 +67,13 @@ def step_flops(model, prompt_lens, completion_lens, group_size: int, beta: float
         return sum(2 * body * S + 2 * lm * k + attn * S * (S + 1) / 2
                    for S, k in zip(lengths, logits_for))
 
-    flops = forward(prompt_lens[::group_size], [1] * len(prompt_lens[::group_size]))  # prefill
+    firsts = prompt_lens[::group_size]                            # each distinct prompt's length
+    flops = forward(firsts, [1] * len(firsts))                    # prefill
     for P, T in zip(prompt_lens, completion_lens):                # decode: T - 1 more tokens
         flops += sum(2 * (body + lm) + attn * (P + t) for t in range(1, T))
     # NOTE: a scoring pass runs each distinct prompt once and each completion after it (the least
     #       work, and what GRPOConfig.share_prompts does): T positions, contexts P+1 .. P+T.
-    full = forward(prompt_lens[::group_size], [0] * len(prompt_lens[::group_size])) + sum(
+    full = forward(firsts, [0] * len(firsts)) + sum(
         2 * (body + lm) * T + attn * (P * T + T * (T + 1) / 2)
         for P, T in zip(prompt_lens, completion_lens))
     passes = (beta != 0) + (num_iterations > 1) + 3 * num_iterations
