@@ -1,11 +1,12 @@
 """
 baselines.py -- the teaching baselines GRPO is compared with: RLOO's and REINFORCE's advantages,
-and CISPO's surrogate. Each is one GRPOConfig choice, off by default.
+and CISPO's surrogate. grpo.py does not import this file: each plugs into one of its seams.
 
-    cfg = grpo.GRPOConfig(baseline="leave_one_out")    # RLOO: the mean of the other G-1 rewards
-    cfg = grpo.GRPOConfig(baseline="none")             # REINFORCE: the reward itself
-    cfg = grpo.GRPOConfig(loss_type="cispo")           # CISPO: clipped, detached IS weight x log π
-    cfg = grpo.GRPOConfig(baseline="critic")           # PPO: a learned critic (ppo.py runs it)
+    seams = baselines.apply(BaselineConfig(baseline="leave_one_out"), grpo.Seams())   # RLOO
+    seams = baselines.apply(BaselineConfig(baseline="none"), grpo.Seams())   # REINFORCE: A_i = r_i
+    seams = baselines.apply(BaselineConfig(surrogate="cispo"), grpo.Seams())  # CISPO (token loss)
+    grpo.grpo_step(..., seams=seams)
+    # PPO's learned critic (baseline="critic") replaces the whole step: ppo.Critic.
 
 What GRPO changes, side by side (advantage of completion i in a group of G, rewards r):
     GRPO       A_i = (r_i - mean(r)) / std(r)                      grpo.group_advantages (paper)
@@ -19,7 +20,39 @@ is pushed up and nothing is pushed down. tests/test_baselines.py pins each with 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+from typing import Literal
+
 import torch
+
+import grpo
+
+
+@dataclass
+class BaselineConfig:
+    """Which method the run trains with: GRPO (the defaults) or one it is compared with."""
+
+    baseline: Literal["group", "leave_one_out", "none", "critic"] = "group"
+    """'group': the group's mean and std (GRPO, the paper); 'leave_one_out': RLOO; 'none':
+    REINFORCE; 'critic': PPO's learned value model and GAE, which ppo.Critic runs in grpo_step's
+    place."""
+    surrogate: Literal["clip", "cispo"] = "clip"
+    """'clip': eq. 3's clipped ratio (GRPO, PPO); 'cispo': MiniMax-M1's clipped, detached weight
+    times log π (cispo_surrogate), averaged over tokens (--loss-type token)."""
+
+    def __post_init__(self):
+        for name, allowed in [("baseline", ("group", "leave_one_out", "none", "critic")),
+                              ("surrogate", ("clip", "cispo"))]:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+
+def apply(cfg: BaselineConfig, seams: grpo.Seams) -> grpo.Seams:
+    """`seams` with the advantage function and surrogate of cfg's method; GRPO's leaves it as is.
+    NOTE: 'critic' changes no seam: ppo.Critic runs the whole step in grpo.grpo_step's place."""
+    if cfg.baseline in ("leave_one_out", "none"):
+        seams = replace(seams, advantages=ADVANTAGES[cfg.baseline])
+    return replace(seams, surrogate=cispo_surrogate) if cfg.surrogate == "cispo" else seams
 
 
 def leave_one_out_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -43,25 +76,17 @@ def no_baseline_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tens
     return rewards.clone()                                                            # (N,)
 
 
-def critic_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """PPO's advantages come from a learned value model and GAE, not from the rewards alone:
-    ppo.Critic runs that step in grpo.grpo_step's place, so reaching this is a mistake."""
-    raise ValueError("baseline 'critic' is PPO with a value model: run ppo.Critic(policy, cfg) "
-                     "as the step function (train_gsm8k.py --baseline critic does)")
+ADVANTAGES = {"leave_one_out": leave_one_out_advantages, "none": no_baseline_advantages}
 
 
-ADVANTAGES = {"leave_one_out": leave_one_out_advantages, "none": no_baseline_advantages,
-              "critic": critic_advantages}
-
-
-def cispo_surrogate(ratio: torch.Tensor, logp: torch.Tensor, A: torch.Tensor,
+def cispo_surrogate(ratio: torch.Tensor, logp: torch.Tensor, A: torch.Tensor, clip_eps: float,
                     clip_eps_high: float) -> torch.Tensor:
     """CISPO (MiniMax-M1, arXiv 2506.13585), per token: ratio, logp (N, T), A (N, 1) or (N, T).
 
     DEVIATION (opt-in): J = Σ_t sg(min(r_t, 1+ε_high)) · A · log π_θ(o_t). The importance weight is
     clipped and detached, and multiplies the log-prob, so no token's gradient is dropped: where
     PPO's clip zeroes a token's gradient, CISPO only caps its weight. The paper sets no lower
-    bound on the weight, and neither do we. grpo_loss averages it over all tokens ('token').
+    bound on the weight, and neither do we (clip_eps is unused). It pairs with loss_type 'token'.
 
     Example: r = 1.5, ε_high = 0.2, A = +1, log π = -2: the weight is 1.2 (detached), the
     surrogate 1.2 · 1 · -2 = -2.4, and its gradient in log π is 1.2, where PPO's would be 0.

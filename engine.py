@@ -1,23 +1,34 @@
 """
-engine.py -- the fast sampling path behind grpo.sample_completions.
+engine.py -- speed machinery for grpo.py, handed in from outside through grpo.Seams.
+
+    seams = engine.apply(EngineConfig(), grpo.Seams(), eos_ids, pad_id)   # sample= and score=
+    grpo.grpo_step(..., seams=seams)
 
 What this is
-    grpo.py keeps a short reference sampler (grpo.reference_decode) that shows the whole loop: run
-    the model over the sequence, draw a token, append it, stop at EOS. This file makes the same
-    draws faster, the way nanochat's engine.py sits beside its chat_rl.py:
+    grpo.py keeps a plain sampler (grpo.decode: a KV cache through the model's public API, the
+    whole loop on one screen) and a plain scorer (grpo.token_logprobs: one forward). This file
+    makes the same draws and the same log-probs faster, the way nanochat's engine.py sits beside
+    its chat_rl.py. Nothing in grpo.py knows it exists. What it does:
       - a KV cache, so each new token costs one position, not the whole sequence;
       - one prefill per distinct prompt, its KV cache then repeated G times;
       - torch.inference_mode, and only the last position's logits at prefill;
       - under PyTorch's SDPA kernel, a ready 4D padding mask, so transformers does not rebuild a
         causal mask at every token;
       - the transformers-version probes that all this needs.
-    Around every decode loop, in_batches samples at most GRPOConfig.sample_batch_size rows at a
-    time and records the sampler's log-prob of each drawn token (the sampler-trainer agreement
-    metric); merge_groups stacks dynamic sampling's chosen groups into one batch.
-    The distribution is not defined here: `pick` is grpo.draw_tokens (temperature, greedy, the EOS
-    floor), handed in by grpo.sample_completions. tests/test_engine.py checks that decode draws
-    exactly the tokens of grpo.reference_decode and of transformers' generate() from the same seed,
-    and that every decode step's logits equal one uncached forward pass.
+      - a compiled decode step over a static KV cache (decode_compiled, EngineConfig.sampler);
+      - each distinct prompt scored once, its G completions after its KV cache (shared_logits);
+      - at most EngineConfig.sample_batch_size rows decoded at a time (in_batches).
+    The distribution is not defined here: `pick` is grpo.draw_tokens (temperature, greedy), handed
+    in by grpo.sample_completions. tests/test_engine.py checks that decode draws exactly the tokens
+    of grpo.decode and of transformers' generate() from the same seed, that every decode step's
+    logits equal one uncached forward pass, and that shared_logits gives grpo.token_logprobs'
+    log-probs and gradient within float tolerance.
+
+What it buys, measured (docs/speed.md, the 2-core Intel Xeon CPU, torch 2.13): at hidden 256, a
+training forward and backward of 8 rows of 54 + 32 tokens took 114 ms with each prompt scored once
+against 182 ms without; compiled decoding saved 0.4 to 1.6 ms a decode step, which pays from about
+100,000 decode steps a run (AUTO_COMPILE_DECODE_STEPS). The benchmark against TRL
+(benchmarks/vs_trl.py) runs with all of it: docs/speed.md gives it with and without.
 
 Shapes: B prompts, G completions per prompt, N = B*G, P prompt tokens, T completion tokens,
 V vocabulary.
@@ -25,16 +36,67 @@ V vocabulary.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.metadata
 import inspect
 import sys
 import weakref
 
+from dataclasses import dataclass, replace
+from typing import Literal
+
 import torch
 
-import lora
+import grpo
+
+
+@dataclass
+class EngineConfig:
+    """The speed machinery's switches (train_gsm8k.py --help shows them in their own section).
+    None changes the distribution sampled from or the numbers scored, beyond float rounding."""
+
+    compile: str = "auto"
+    """torch.compile for sampling and layers: on, off, auto (on where it pays: docs/speed.md);
+    it sets sampler (sampler_for)."""
+    sampler: Literal["engine", "compiled", "plain"] = "engine"
+    """'engine': decode below (one prefill per prompt, inference mode, a ready mask); 'compiled':
+    the same with a static KV cache and the decode step under torch.compile; 'plain': grpo.decode.
+    All three draw the same tokens from the same seed (tests/test_engine.py)."""
+    share_prompts: bool = True
+    """Score each distinct prompt once and its G completions after it (shared_logits), not G whole
+    sequences: the same log-probs and gradient to float rounding, less compute. Not with
+    --logprob-chunk, nor in a checkpointed training pass (there it scores whole sequences)."""
+    sample_batch_size: int = 0
+    """Sample at most this many completions at a time (in_batches), so the KV cache holds only
+    theirs; other draws from the same seed, the same distribution. 0: all N at once."""
+    min_new_tokens: int = 0
+    """Force at least this many new tokens (0 = off). Only for benchmarks that need equal work
+    (benchmarks/vs_trl.py sets it to max_new_tokens on both sides). It changes the distribution."""
+
+    def __post_init__(self):
+        if self.sampler not in ("engine", "compiled", "plain"):
+            raise ValueError(f"sampler must be one of ('engine', 'compiled', 'plain'), got "
+                             f"{self.sampler!r}")
+        for name in ("sample_batch_size", "min_new_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+def apply(cfg: EngineConfig, seams: grpo.Seams, eos_ids: list[int], pad_id: int) -> grpo.Seams:
+    """`seams` with this file's sampler (cfg.sampler, in batches, with the EOS floor) and, with
+    cfg.share_prompts, its scorer. eos_ids and pad_id: grpo.eos_token_ids and grpo.pad_token_id."""
+    sample = {"engine": decode, "compiled": decode_compiled, "plain": grpo.decode}[cfg.sampler]
+    if cfg.min_new_tokens:
+        sample = at_least(sample, cfg.min_new_tokens, eos_ids)
+    sample = in_batches(sample, cfg.sample_batch_size, pad_id)
+    return replace(seams, sample=sample,
+                   score=shared_token_logprobs if cfg.share_prompts else seams.score)
+
+
+def base_model(model):
+    """The transformers model inside a wrapper that exposes it (a PEFT model, lora.AdaptersOff),
+    or `model` itself: its config and forward signature are the ones to probe."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 # ----------------------------------------------------------------------------------------------
@@ -43,7 +105,7 @@ import lora
 def accepts_logits_to_keep(model) -> bool:
     """Whether forward() can skip computing logits for all but the last positions.
     NOTE: a PEFT model's forward takes **kwargs and hands them on; its base model's decides."""
-    return "logits_to_keep" in inspect.signature(lora.unwrap(model).forward).parameters
+    return "logits_to_keep" in inspect.signature(base_model(model).forward).parameters
 
 
 def last_logits_only(model, k: int) -> dict:
@@ -76,24 +138,6 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def eos_token_ids(model, tokenizer) -> list[int]:
-    """Every token id that ends a completion: the model's generation_config eos ids, else the
-    tokenizer's."""
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None:
-        # NOTE: a freshly initialised model's generation_config has no eos/pad/bos ids.
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        raise ValueError("neither the model's generation_config nor the tokenizer has an EOS id")
-    return [eos] if isinstance(eos, int) else list(eos)
-
-
-def pad_token_id(model, tokenizer) -> int:
-    """The id written after a completion's EOS: the tokenizer's pad token, else the first EOS id."""
-    pad = tokenizer.pad_token_id
-    return pad if pad is not None else eos_token_ids(model, tokenizer)[0]
-
-
 def enable_activation_checkpointing(model, enabled: bool = True):
     """Recompute activations in backward to save memory, and turn the training forward's KV cache
     off (nothing when not enabled). NOTE: transformers 5 renamed gradient_checkpointing_enable to
@@ -111,35 +155,17 @@ def checkpointed(model) -> bool:
     return bool(getattr(model, "is_gradient_checkpointing", False) if flag is None else flag)
 
 
-@contextlib.contextmanager
-def eval_mode(model):
-    """Every module of model in eval mode inside the block, each one's own mode restored after.
-    WHY not model.eval() and model.train(): transformers 5's PreTrainedModel.train re-selects the
-         model's hub kernels (kernels.kernelize) at every change of mode, 0.3 ms each way at
-         hidden 64, 1.6% of the benchmark's step. Setting the flags is what nn.Module.train
-         does, less that. NOTE: hub kernels then keep their training-mode choice while sampling;
-         those run forward passes too."""
-    modules = list(model.modules())
-    modes = [m.training for m in modules]
-    for m in modules:
-        m.training = False
-    try:
-        yield
-    finally:
-        for m, mode in zip(modules, modes):
-            m.training = mode
-
-
 # ----------------------------------------------------------------------------------------------
 # The fast decode loop
 # ----------------------------------------------------------------------------------------------
 def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
-           max_new_tokens: int, pick) -> torch.Tensor:
-    """G completions for each of B left-padded prompts: (B, P), (B, P) -> completion ids (N, T),
-    T <= max_new_tokens.
+           max_new_tokens: int, pick):
+    """G completions for each of B left-padded prompts: (B, P), (B, P) -> (completion ids, the
+    sampler's log-prob of each), (N, T) each, T <= max_new_tokens.
 
-    pick(logits (N, V), t, done (N,)) -> (next ids (N,), done (N,)) draws token t: grpo.draw_tokens.
-    Same contract as grpo.reference_decode, which it matches token for token (tests/test_engine.py).
+    pick(logits (N, V), t, done (N,)) -> (ids (N,), done (N,), log-probs (N,)) draws token t:
+    grpo.draw_tokens. Same contract as grpo.decode, which it matches token for token
+    (tests/test_engine.py).
     """
     G, T = group_size, max_new_tokens
     kv_name = cache_kwarg(model)
@@ -170,8 +196,8 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_siz
                         position_ids=next_position + t, use_cache=True, **{kv_name: cache})
             return out.logits[:, -1, :].float()                                  # (N, V)
 
-        tokens = draw_loop(pick, logits, T, step)
-    return torch.stack(tokens, dim=1)                                            # (N, T)
+        tokens, logps = draw_loop(pick, logits, T, step)
+    return torch.stack(tokens, dim=1), torch.stack(logps, dim=1)                 # (N, T) x2
 
 
 def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, G: int):
@@ -190,18 +216,20 @@ def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, G: int):
     return out, logits, prompt_mask, next_position
 
 
-def draw_loop(pick, logits: torch.Tensor, T: int, step) -> list[torch.Tensor]:
+def draw_loop(pick, logits: torch.Tensor, T: int, step):
     """Up to T tokens for every row: draw one from logits (N, V) with pick, then step(ids (N,), t)
-    gives the next logits; stop once every row has ended. Returns the T' <= T drawn (N,) ids."""
+    gives the next logits; stop once every row has ended. Returns the T' <= T drawn (N,) ids and
+    their (N,) log-probs."""
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)  # (N,)
-    tokens = []
+    tokens, logps = [], []
     for t in range(T):
-        next_ids, done = pick(logits, t, done)                                   # (N,), (N,)
+        next_ids, done, logp = pick(logits, t, done)                             # (N,) x3
         tokens.append(next_ids)
+        logps.append(logp)
         if done.all() or t == T - 1:
             break
         logits = step(next_ids, t)                                               # (N, V)
-    return tokens
+    return tokens, logps
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,7 +294,7 @@ def static_cache(model, N: int, P: int, T: int, like: torch.Tensor):
 
 
 def decode_compiled(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
-                    max_new_tokens: int, pick) -> torch.Tensor:
+                    max_new_tokens: int, pick):
     """decode() with a static KV cache and a compiled decode step; same contract, same tokens
     (tests/test_engine.py). Falls back to decode(), with the reason printed once, where it cannot
     run: see compile_blocker, and any error while compiling (no C++ compiler, an unsupported op),
@@ -339,8 +367,8 @@ def _decode_compiled(model, prompt_ids, prompt_mask, group_size, max_new_tokens,
             # WHY: under CUDA graphs the next replay overwrites the graph's output.
             return logits.clone() if cuda_graphs else logits
 
-        tokens = draw_loop(pick, logits, T, one_token)
-    return torch.stack(tokens, dim=1)                                            # (N, T)
+        tokens, logps = draw_loop(pick, logits, T, one_token)
+    return torch.stack(tokens, dim=1), torch.stack(logps, dim=1)                 # (N, T) x2
 
 
 def compile_seconds() -> float:
@@ -355,11 +383,11 @@ def compile_seconds() -> float:
     return sum(sum(spent.get(k, [])) for k in ("_compile.compile_inner", "backward._backward_impl"))
 
 
-def compile_layers(cfg, *models) -> int:
-    """With the 'compiled' sampler (cfg: a grpo.GRPOConfig), also compile each model's decoder
-    layers (regional compilation: one graph serves every layer of a model, forward and backward),
-    so the training and reference passes run fused kernels too. Returns how many layers it
-    compiled: none under cfg.share_prompts or cfg.update_in_backward (the WHYs below).
+def compile_layers(cfg: EngineConfig, update_in_backward: bool, *models) -> int:
+    """With the 'compiled' sampler, also compile each model's decoder layers (regional
+    compilation: one graph serves every layer of a model, forward and backward), so the training
+    and reference passes run fused kernels too. Returns how many layers it compiled: none under
+    cfg.share_prompts or update_in_backward (memory.py; the WHYs below).
     WHY dynamic=True: training sequences change length every step; one graph takes them all.
     NOTE: loss and gradients match eager within float tolerance (tests/test_engine.py)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -372,7 +400,7 @@ def compile_layers(cfg, *models) -> int:
         #      hidden 64 and faster at hidden 256 (115 against 163 ms a training forward and
         #      backward, docs/speed.md).
         return 0
-    if cfg.update_in_backward:
+    if update_in_backward:
         # WHY: memory.step_in_backward runs backward twice over one graph. A compiled layer's
         #      backward refuses that (it reuses the buffers it saved), and with that reuse turned
         #      off its second pass gave wrong gradients for some weights here (torch 2.13, CPU;
@@ -399,7 +427,7 @@ def compile_layers(cfg, *models) -> int:
 #      backward of 8 rows of 54 + 32 tokens from 182 to 114 ms (docs/speed.md).
 def share_blocker(model) -> str | None:
     """Why shared_logits cannot run on this model, or None if it can."""
-    base = lora.unwrap(model)  # NOTE: a LoRA π_ref (lora.AdaptersOff) unwraps to the policy's base
+    base = base_model(model)  # NOTE: a LoRA π_ref (lora.AdaptersOff) unwraps to the policy's base
     c = base.config
     layer_types = getattr(c, "layer_types", None) or ["full_attention"]
     if transformers_major() < 5 or cache_kwarg(base) != "cache":
@@ -445,16 +473,19 @@ def shared_logits(model, input_ids, attention_mask, T: int):
                  cache=cache, use_cache=True).logits                                 # (n, T, V)
 
 
-def agreement(logp, entropy, sampler_logp, mask) -> torch.Tensor:
-    """The first update's sums over a micro-batch's real tokens: Σ entropy, Σ |log π_θ -
-    log π_sampler| and how many tokens have π_θ/π_sampler outside [0.9, 1.1]; (n, T) each -> (3,)
-    in float64 (grpo.policy_update logs their means as entropy and sampling/*).
-    NOTE: the policy scored twice, by the sampler (token by token, KV cache) and by the update:
-          equal to rounding in fp32; bf16 or a separate engine drift apart."""
-    real = mask.bool()                                                                # (n, T)
-    gap = torch.where(real, logp.detach() - sampler_logp, 0.0)                        # (n, T)
-    return torch.stack([torch.where(real, entropy, 0.0).sum(), gap.abs().sum(),
-                        ((gap.exp() - 1).abs() > 0.1).sum()]).double()                # (3,)
+def shared_token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                          temperature: float = 1.0, with_entropy: bool = False):
+    """grpo.token_logprobs with each distinct prompt run once (shared_logits): the same arguments,
+    the same results to float rounding. Where shared_logits steps aside, grpo.token_logprobs runs.
+    (n, P), (n, T) -> logp (n, T) [, entropy (n, T)]."""
+    T = completion_ids.shape[1]
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)                        # (n, P+T)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)                 # (n, P+T)
+    logits = shared_logits(model, input_ids, attention_mask, T)                  # (n, T, V) or None
+    if logits is None:
+        return grpo.token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                   temperature, with_entropy)
+    return grpo.logprobs_of(logits, completion_ids, temperature, with_entropy)
 
 
 AUTO_COMPILE_DECODE_STEPS = 100_000
@@ -466,7 +497,7 @@ size, and it saved 0.4 to 1.6 ms per decode step in two runs of gpu_check.py spe
 
 
 def sampler_for(compile_mode: str, sampler: str, decode_steps: int) -> str:
-    """grpo.GRPOConfig.sampler for a run: 'compiled' in place of the default 'engine' when
+    """EngineConfig.sampler for a run: 'compiled' in place of the default 'engine' when
     --compile is on, or auto with at least AUTO_COMPILE_DECODE_STEPS decode steps ahead; 'engine'
     in place of 'compiled' when it is off (a resumed run can turn it off). 'reference' stays."""
     if compile_mode == "off":
@@ -475,37 +506,34 @@ def sampler_for(compile_mode: str, sampler: str, decode_steps: int) -> str:
     return "compiled" if on and sampler == "engine" else sampler
 
 
-def in_batches(decode, cfg, pad_id: int):
-    """`decode`, run on at most cfg.sample_batch_size completions at a time (0: all at once):
-    whole prompts' groups while a group fits, else each group in pieces. The pieces' completions
-    are padded with pad_id to the longest and stacked in order, so the rows still come in groups.
-    Returns (completion ids (N, T), the sampler's log-prob of each drawn token (N, T)), the latter
-    read from the very logits `pick` drew from (after any EOS mask it applied), at cfg's
-    temperature: grpo.policy_update compares them with the trainer's (sampling/* metrics).
+def at_least(decode, min_new_tokens: int, eos_ids: list[int]):
+    """`decode` in which no row may draw an EOS before token `min_new_tokens` (benchmarks that need
+    equal work on both sides). NOTE: this changes the distribution sampled from; grpo.py's loss
+    still scores the unmasked one, so use it for timing, never for training."""
+    def floored(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, pick):
+        def pick_later_eos(logits, t, done):
+            if t < min_new_tokens:
+                logits[:, eos_ids] = -float("inf")                                   # (N, V)
+            return pick(logits, t, done)
+        return decode(model, prompt_ids, prompt_mask, group_size, max_new_tokens, pick_later_eos)
+    return floored
+
+
+def in_batches(decode, rows: int, pad_id: int):
+    """`decode`, run on at most `rows` completions at a time (0: all at once): whole prompts'
+    groups while a group fits, else each group in pieces. The pieces' completions are padded with
+    pad_id (their log-probs with 0) to the longest and stacked in order, so the rows still come in
+    groups. Same contract as grpo.decode.
     WHY: the KV cache grows with the rows decoded together; at 7B, 64 completions of 768 tokens
          hold 24 GB of it (planner.py). NOTE: the draws differ from one batch from the same seed
          (the random numbers fall to other rows), but each row is drawn from the same policy."""
-    rows = cfg.sample_batch_size
-
-    def recorded(model, prompt_ids, prompt_mask, g: int, max_new_tokens: int, pick):
-        steps = {}  # WHY by step: a compiled decode that falls back re-runs from step 0
-
-        def recording(logits, t, done):
-            ids, done = pick(logits, t, done)                                         # (n,), (n,)
-            scaled = logits.float() / cfg.temperature                                 # (n, V)
-            steps[t] = scaled.gather(-1, ids[:, None]).squeeze(1) - scaled.logsumexp(-1)  # (n,)
-            return ids, done
-
-        ids = decode(model, prompt_ids, prompt_mask, g, max_new_tokens, recording)   # (n, T)
-        return ids, torch.stack([steps[t] for t in range(ids.shape[1])], 1)          # (n, T) x2
-
     def batched(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, pick):
         B, G = prompt_ids.shape[0], group_size
         if not rows or B * G <= rows:
-            return recorded(model, prompt_ids, prompt_mask, G, max_new_tokens, pick)
+            return decode(model, prompt_ids, prompt_mask, G, max_new_tokens, pick)
         per = max(1, rows // G)                              # whole prompts in one piece
-        pieces = [recorded(model, prompt_ids[b:b + per], prompt_mask[b:b + per], g,
-                           max_new_tokens, pick)                                      # (n, T_i)
+        pieces = [decode(model, prompt_ids[b:b + per], prompt_mask[b:b + per], g,
+                         max_new_tokens, pick)                                        # (n, T_i) x2
                   for b in range(0, B, per)
                   for g in ([G] if G <= rows else [min(rows, G - k) for k in range(0, G, rows)])]
         T = max(ids.shape[1] for ids, _ in pieces)
@@ -515,32 +543,3 @@ def in_batches(decode, cfg, pad_id: int):
         return (torch.cat([pad(ids, pad_id) for ids, _ in pieces]),                  # (N, T)
                 torch.cat([pad(logp, 0.0) for _, logp in pieces]))                    # (N, T)
     return batched
-
-
-def merge_groups(parts: list[tuple[dict, list[int]]], G: int, pad_id: int) -> dict:
-    """The chosen groups (each G consecutive rows) of several rollouts, as one rollout: prompts
-    re-padded on the left, completions, the sampler's log-probs and per-token advantages on the
-    right (grpo.dynamic_sampling's last step)."""
-    # WHY: each rollout was padded to its own longest prompt and completion; the merged batch is
-    #      re-padded to the longest of all, on the same sides, so the masks stay exact.
-    rows = [(b, [g * G + i for g in groups for i in range(G)]) for b, groups in parts]
-    out = {k: [b[k][r] for b, rs in rows for r in rs] for k in ("prompts", "completions")}
-    out["columns"] = {k: [b["columns"][k][r] for b, rs in rows for r in rs]
-                      for k in parts[0][0]["columns"]}
-    P, T = (max(b[k].shape[1] for b, _ in parts) for k in ("prompt_ids", "completion_ids"))
-    padding = {"prompt_ids": (P, "left", pad_id), "prompt_mask": (P, "left", 0),
-               "completion_ids": (T, "right", pad_id), "completion_mask": (T, "right", 0),
-               "advantages": (T, "right", 0.0), "sampler_logp": (T, "right", 0.0),
-               "rewards": None, "truncated": None}
-    for k, pad in padding.items():
-        xs = [b[k][torch.tensor(rs, dtype=torch.long, device=b[k].device)] for b, rs in rows]
-        if pad is not None and xs[0].dim() == 2:  # WHY: outcome advantages are (n,), never padded
-            width, side, value = pad
-            fills = [x.new_full((x.shape[0], width - x.shape[1]), value) for x in xs]  # (n, gap)
-            xs = [torch.cat([f, x] if side == "left" else [x, f], dim=1) for x, f in zip(xs, fills)]
-        out[k] = torch.cat(xs)                                                        # (n_all, ...)
-    return out
-
-
-DECODERS = {"engine": decode, "compiled": decode_compiled}
-"""grpo.GRPOConfig.sampler -> decode loop; 'reference' is grpo.reference_decode."""

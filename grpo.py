@@ -6,7 +6,8 @@ What this is
     Algorithm 1), for any Hugging Face causal LM and tokenizer, on one device. Read it next to
     the paper: each equation sits above the line that computes it, and tests/test_grpo.py pins it
     with hand-worked numbers. grpo_step, near the end, is Algorithm 1's inner loop as a short list
-    of calls in the paper's order.
+    of calls in the paper's order. It needs only Python and torch: copy this file alone into your
+    project and it runs (tests/test_grpo_alone.py does exactly that).
 
 The objective it maximises (outcome supervision, §4.1.1-4.1.2, eq. 3)
     J(θ) = E[ 1/G Σ_i 1/|o_i| Σ_t { min( r_it A_i , clip(r_it, 1-ε, 1+ε) A_i )
@@ -18,16 +19,21 @@ The objective it maximises (outcome supervision, §4.1.1-4.1.2, eq. 3)
     built from step rewards (process_advantages).
 
 How to run it
-    python train_gsm8k.py                         # the tiny offline world, on a CPU, in minutes
+    python train_gsm8k.py --plain                 # exactly this file's code, the tiny world, a CPU
     python -m pytest tests/test_grpo.py -q        # every equation, pinned
+
+What runs is what you read
+    With Seams() (the default) grpo_step runs only the code below. Speed and memory machinery
+    (a faster sampler, each prompt scored once, log-probs in chunks, AdamW inside backward) and the
+    methods GRPO is compared with (RLOO, REINFORCE, CISPO) are handed in from outside through the
+    five named seams of Seams, the way nanoGPT's train.py makes its plain model.py fast with one
+    line, torch.compile(model). Each replacement is tested against the code here.
 
 What it leaves out, on purpose
     - the critic (that is the point of GRPO: the group mean is the baseline);
     - multi-GPU, vLLM, DeepSpeed (see docs/past_one_gpu.md);
     - the paper's iterative reward-model retraining and reference resets (Algorithm 1's outer loop);
-    - learned reward models: process supervision uses a rule-based step reward (rewards.py);
-    - speed machinery: the fast sampler is engine.py, which draws the same tokens as the one here;
-      memory machinery (log-probs in chunks) is memory.py, LoRA is lora.py.
+    - learned reward models: process supervision uses a rule-based step reward (rewards.py).
 
 Tensor dimensions used in shape comments
     B  prompts per step          G  completions per prompt (group_size)
@@ -60,14 +66,14 @@ Comment tags, so you can grep for them
                 ε goes; what a group of equal rewards does
 
 The steps below, in order
-    0. GRPOConfig            every knob, with the paper's defaults
+    0. GRPOConfig, Seams     every knob, with the paper's defaults; the five seams
     1. sample_completions    G completions per prompt from π_old (π_θ before this step's update)
     2. compute_rewards       weighted rule-based reward functions, TRL's signature
     3. group_advantages      A_i = (r_i - mean) / (std + eps) within each group (outcome)
        process_advantages    Â_i,t from normalised step rewards (process)
     4. token_logprobs        log π(o_it) via gather + logsumexp, for π_θ, π_old and π_ref
     5-7. grpo_loss           ratio and clip (5), k3 KL (6), aggregation over tokens (7)
-    8. policy_update         μ optimizer steps: backward, gradient clip, AdamW
+    8. policy_update         μ optimizer steps: zero_grad, backward, gradient clip, AdamW
     9. grpo_step             1-8 in order, then step_metrics
     Variants                 dynamic sampling (DAPO), GSPO's sequence ratio, process
                              supervision's plumbing: each is one call from the core above
@@ -77,8 +83,10 @@ differs from the paper is tagged DEVIATION.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import functools
+import inspect
 import math
 import time
 from dataclasses import dataclass
@@ -86,17 +94,12 @@ from typing import Callable, Literal, Sequence, get_args, get_origin, get_type_h
 
 import torch
 
-import baselines
-import engine
-import memory
-import rewards
-
-LossType = Literal["grpo", "token", "dr_grpo", "cispo"]
+LossType = Literal["grpo", "token", "dr_grpo"]
 LOSS_TYPES = get_args(LossType)
 
 
 # ----------------------------------------------------------------------------------------------
-# 0. Configuration
+# 0. Configuration, and the seams through which code from outside may take over a part
 # ----------------------------------------------------------------------------------------------
 # PAPER: §4.2 trains DeepSeekMath-Instruct 7B with lr 1e-6, β = 0.04, G = 64 outputs per question,
 #        a maximum length of 1024 tokens, a batch of 1024, and one policy update per exploration
@@ -118,11 +121,7 @@ class GRPOConfig:
     num_iterations: int = 1
     """μ, policy updates per batch of samples (Algorithm 1). PAPER: 1."""
     loss_type: LossType = "grpo"
-    """Averaging of per-token losses: 'grpo' (paper), 'token' (DAPO), 'dr_grpo' (Dr. GRPO); 'cispo'
-    (MiniMax-M1): a clipped, detached weight times log π, token-averaged (baselines.py)."""
-    baseline: Literal["group", "leave_one_out", "none", "critic"] = "group"
-    """'group': the group's mean and std (paper); 'leave_one_out': RLOO; 'none': REINFORCE;
-    'critic': PPO's learned value model and GAE, which ppo.Critic runs in grpo_step's place."""
+    """Averaging of per-token losses: 'grpo' (paper), 'token' (DAPO), 'dr_grpo' (Dr. GRPO)."""
     scale_rewards: bool = True
     """Divide centred rewards by the group std (paper). False: mean-centring only (Dr. GRPO)."""
     adv_eps: float = 1e-4
@@ -133,9 +132,6 @@ class GRPOConfig:
     max_new_tokens: int = 256
     """Cap on completion length T. PAPER: 1024. Hitting it counts in completions/clipped_ratio;
     a cap that cuts answers off before their last line zeroes their reward."""
-    min_new_tokens: int = 0
-    """Force at least this many new tokens (0 = off). Only for benchmarks that need equal work
-    (benchmarks/vs_trl.py sets it to max_new_tokens on both sides)."""
     lr: float = 1e-6
     """AdamW learning rate. PAPER: 1e-6 for a 7B model; tiny models want far more (see presets)."""
     weight_decay: float = 0.0
@@ -158,52 +154,53 @@ class GRPOConfig:
     dynamic_sampling: int = 0
     """DAPO's dynamic sampling: drop groups whose rewards all agree and refill the batch from up to
     this many more rounds of fresh prompts (grpo_step's more_prompts). 0: off (paper)."""
-    sampler: Literal["engine", "compiled", "reference"] = "engine"
-    """'engine': engine.py's fast loop; 'compiled': the same with a static KV cache and the decode
-    step under torch.compile; 'reference': reference_decode below, slower and plainer. All three
-    draw the same tokens from the same seed (tests/test_engine.py)."""
-    logprob_chunk: int = 0
-    """Score log-probs this many completion tokens at a time (memory.py), never holding a whole
-    micro-batch's (n, T, V) logits; the same numbers. 0: all at once (the plain code below)."""
-    share_prompts: bool = True
-    """Score each distinct prompt once and its G completions after it (engine.py), not G whole
-    sequences: the same log-probs and gradient to float rounding, less compute. Not with
-    logprob_chunk, nor in a checkpointed training pass (there it scores whole sequences)."""
-    sample_batch_size: int = 0
-    """Sample at most this many completions at a time (engine.in_batches), so the KV cache holds
-    only theirs; other draws from the same seed, the same distribution. 0: all N at once."""
-    update_in_backward: bool = False
-    """Step AdamW on each weight inside backward and free its gradient at once, so the model's
-    gradients never exist together (memory.step_in_backward, LOMO): the same update, two backward
-    passes instead of one. Needs the whole batch in one micro-batch."""
 
     def __post_init__(self):
         """Settings that cannot work fail here, at construction, with one line naming the field."""
         def fail(name, rule):
             raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
 
-        # NOTE: each Literal field (loss_type, baseline, sampler, ...) takes only its values.
+        # NOTE: each Literal field (loss_type, supervision, ...) takes only its values.
         for name, hint in get_type_hints(GRPOConfig).items():
             if get_origin(hint) is Literal and getattr(self, name) not in get_args(hint):
                 fail(name, f"one of {get_args(hint)}")
         if self.group_size < 2:
             fail("group_size", "at least 2 (a group baseline needs 2)")
-        if self.baseline != "group" and self.supervision == "process":
-            fail("baseline", "'group' under process supervision (§4.1.3 sets its own baseline)")
         # NOTE: no batch size has to divide another: the last micro-batch may be smaller, and
         #       policy_update weights it so the summed gradient equals the full batch's (tested).
         for name, low in [("num_iterations", 1), ("max_new_tokens", 1), ("micro_batch_size", 1),
                           ("beta", 0), ("adv_eps", 0), ("weight_decay", 0),
-                          ("dynamic_sampling", 0), ("logprob_chunk", 0), ("sample_batch_size", 0)]:
+                          ("dynamic_sampling", 0)]:
             if getattr(self, name) < low:
                 fail(name, f">= {low}")
         for name in ("clip_eps", "clip_eps_high", "temperature", "lr", "max_grad_norm"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 fail(name, "> 0")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            fail("min_new_tokens", f"from 0 to max_new_tokens ({self.max_new_tokens})")
         if self.reward_weights is not None and not all(map(math.isfinite, self.reward_weights)):
             fail("reward_weights", "finite numbers")
+
+
+# WHY: nanoGPT's model.py is plain PyTorch, and train.py makes it fast from outside. Here the
+#      outside hands grpo_step a Seams: each field None runs this file's own code; a function put
+#      there runs instead, with the same arguments and results. Five seams, no branch per trick.
+@dataclass
+class Seams:
+    """The parts of a step that code outside grpo.py may replace. None: this file's own."""
+
+    sample: Callable | None = None
+    """The decode loop: (model, prompt_ids, prompt_mask (B, P), G, max_new_tokens, pick) ->
+    (completion ids (N, T), the sampler's log-prob of each (N, T)). None: decode."""
+    score: Callable | None = None
+    """token_logprobs' arguments and results: (model, prompt_ids, prompt_mask, completion_ids,
+    completion_mask, temperature, with_entropy) -> logp (n, T) [, entropy]. None: token_logprobs."""
+    advantages: Callable | None = None
+    """(rewards (N,), G) -> outcome advantages (N,). None: group_advantages, the paper's."""
+    surrogate: Callable | None = None
+    """(ratio, logp, A, clip_eps, clip_eps_high) -> the per-token objective (N, T), maximised.
+    None: clipped_surrogate, eq. 3's."""
+    update: Callable | None = None
+    """(policy, optimizer, weighted micro-batch losses, max_grad_norm) -> (gradient norm, whether
+    the weights moved). None: clipped_step."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,6 +212,22 @@ class GRPOConfig:
 #      so group statistics are a reshape to (B, G) away.
 # NOTE: the sampler and the loss must agree on one distribution. Both use the same temperature,
 #       no top-k and no top-p (test_sampling_distribution_is_the_one_the_loss_scores).
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """Every token id that ends a completion: the model's generation_config's, else the
+    tokenizer's. NOTE: a freshly initialised model's generation_config has no EOS id."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = tokenizer.eos_token_id if eos is None else eos
+    if eos is None:
+        raise ValueError("neither the model's generation_config nor the tokenizer has an EOS id")
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+def pad_token_id(model, tokenizer) -> int:
+    """The id written after a completion's EOS: the tokenizer's pad token, else the first EOS id."""
+    pad = tokenizer.pad_token_id
+    return pad if pad is not None else eos_token_ids(model, tokenizer)[0]
+
+
 def completion_mask_from_ids(completion_ids: torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:
     """1 for every completion token up to and including the first EOS, 0 after it: (N, T).
 
@@ -231,60 +244,69 @@ def completion_mask_from_ids(completion_ids: torch.Tensor, eos_ids: Sequence[int
     return (positions[None, :] <= first_eos[:, None]).long()                          # (N, T)
 
 
-def draw_tokens(logits, t, done, *, eos, pad_id, temperature, min_new_tokens, greedy):
-    """Token t of every completion, drawn from the policy: logits (N, V), done (N,) -> (ids, done).
+def draw_tokens(logits, t, done, *, eos, pad_id, temperature, greedy):
+    """Token t of every completion, drawn from the policy: logits (N, V), done (N,) ->
+    (ids (N,), done (N,), the log-prob of each id under the distribution it was drawn from (N,)).
 
     PAPER: o_i ~ π_old(· | q), one token at a time. A row that has ended gets pad_id from then on.
-    Both samplers call this, so the distribution is defined in one place. sample_completions
-    binds every argument after `done` (functools.partial) and hands the samplers `pick`.
+    Every sampler calls this (sample_completions binds the arguments after `done` and hands the
+    sampler `pick`), so the distribution is defined here, once.
     """
-    if t < min_new_tokens:
-        logits[:, eos] = -math.inf                                               # (N, V) no EOS yet
+    scaled = logits / temperature                                                     # (N, V)
     if greedy:
         next_ids = logits.argmax(-1)                                                  # (N,)
     else:
         # NOTE: no top-k / top-p: the samples must come from exactly the distribution whose
         #       log-probs the loss uses. (generate() would silently apply transformers' top_k=50.)
-        probs = torch.softmax(logits / temperature, dim=-1)                           # (N, V)
-        next_ids = torch.multinomial(probs, 1).squeeze(1)                             # (N,)
+        next_ids = torch.multinomial(torch.softmax(scaled, dim=-1), 1).squeeze(1)     # (N,)
     next_ids = torch.where(done, torch.full_like(next_ids, pad_id), next_ids)         # (N,)
-    return next_ids, done | torch.isin(next_ids, eos)                                 # (N,), (N,)
+    # PAPER: log softmax(l)[o] = l[o] - logsumexp(l), as token_logprobs computes it (step 4)
+    logp = scaled.gather(-1, next_ids[:, None]).squeeze(1) - scaled.logsumexp(-1)     # (N,)
+    return next_ids, done | torch.isin(next_ids, eos), logp                           # (N,) x3
 
 
-def reference_decode(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, pick):
-    """The plain sampling loop: prompts (B, P), (B, P) -> completion ids (N, T), T <= max.
+def decode(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int, pick):
+    """The sampling loop: prompts (B, P), (B, P) -> (completion ids (N, T), the sampler's log-prob
+    of each (N, T)), T <= max_new_tokens.
 
-    Each step runs the model over the whole sequence so far, draws one token per row with `pick`
-    (draw_tokens), appends it, and stops once every row has drawn an EOS.
-    NOTE: there is no KV cache, so step t re-reads all P+t tokens. engine.decode keeps one (and
-          more tricks) and draws exactly these tokens from the same seed (tests/test_engine.py).
+    The first forward reads the G copies of each prompt and keeps their keys and values (the KV
+    cache, the model's own public `use_cache` API); each later one reads only the token just
+    drawn. `pick` (draw_tokens) draws; the loop stops once every row has drawn an EOS.
     """
     ids = prompt_ids.repeat_interleave(group_size, 0)                             # (N, P) in groups
     mask = prompt_mask.repeat_interleave(group_size, 0)                               # (N, P)
+    # WHY: number positions from each prompt's first real token, as generate() does.
+    positions = (mask.cumsum(1) - 1).clamp(min=0)                                     # (N, P)
+    # NOTE: transformers 5 calls the cache argument `cache`; 4.x calls it `past_key_values`.
+    kv = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)             # (N,)
+    tokens, logps, cache = [], [], None
     for t in range(max_new_tokens):
-        # WHY: number positions from each prompt's first real token, as generate() does.
-        position_ids = (mask.cumsum(1) - 1).clamp(min=0)                              # (N, P+t)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
-        next_ids, done = pick(out.logits[:, -1, :].float(), t, done)                  # (N,), (N,)
-        ids = torch.cat([ids, next_ids[:, None]], dim=1)                              # (N, P+t+1)
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)                 # (N, P+t+1)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                    **{kv: cache})
+        cache = out[kv]
+        next_ids, done, logp = pick(out.logits[:, -1, :].float(), t, done)          # (N,) x3
+        tokens.append(next_ids)
+        logps.append(logp)
         # WHY: stop as soon as every row has ended; T is then shorter than max_new_tokens.
         if done.all():
             break
-    return ids[:, prompt_ids.shape[1]:]                                               # (N, T)
+        # The next forward reads only the new token; the cache holds everything before it.
+        ids = next_ids[:, None]                                                       # (N, 1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)                 # (N, P+t+1)
+        positions = positions[:, -1:] + 1                                             # (N, 1)
+    return torch.stack(tokens, dim=1), torch.stack(logps, dim=1)                      # (N, T) x2
 
 
 @torch.no_grad()
 def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig, greedy: bool = False,
-                       group_size: int | None = None) -> dict:
+                       group_size: int | None = None, sample: Callable | None = None) -> dict:
     """G completions for each of B prompt strings, as a dict whose rows come in groups of G:
-    prompt_ids, prompt_mask (N, P); completion_ids, completion_mask (N, T); completions (N texts);
-    truncated (N,), True where a completion hit max_new_tokens without an EOS.
+    prompt_ids, prompt_mask (N, P); completion_ids, completion_mask, sampler_logp (N, T);
+    completions (N texts); truncated (N,), True where a completion hit max_new_tokens without EOS.
 
-    greedy=True decodes the most likely completion instead (evaluation, with group_size=1); it
-    runs the same loop, with argmax in place of the draw.
-    group_size overrides cfg.group_size (evaluation samples one completion per prompt).
+    greedy=True decodes the most likely completion instead (evaluation, with group_size=1).
+    group_size overrides cfg.group_size; sample replaces decode (Seams.sample).
     """
     G, device = (cfg.group_size if group_size is None else group_size), model.device
     # WHY: left padding puts every prompt's last token in the same column, so decoding starts
@@ -292,25 +314,24 @@ def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig, gr
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
                     add_special_tokens=False)
     prompt_ids, prompt_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-    eos_ids, pad_id = engine.eos_token_ids(model, tokenizer), engine.pad_token_id(model, tokenizer)
-    eos = torch.tensor(eos_ids, device=device)                                        # (E,)
-    pick = functools.partial(draw_tokens, eos=eos, pad_id=pad_id, temperature=cfg.temperature,
-                             min_new_tokens=cfg.min_new_tokens, greedy=greedy)
-    # NOTE: the fast paths live in engine.py (KV cache, one prefill per prompt, ready masks,
-    #       compiled steps) and make exactly the draws of reference_decode above; cfg.sampler picks.
-    decode = engine.in_batches(engine.DECODERS.get(cfg.sampler, reference_decode), cfg, pad_id)
+    eos_ids, pad_id = eos_token_ids(model, tokenizer), pad_token_id(model, tokenizer)
+    pick = functools.partial(draw_tokens, eos=torch.tensor(eos_ids, device=device), pad_id=pad_id,
+                             temperature=cfg.temperature, greedy=greedy)
     # WHY eval mode: under gradient checkpointing, train mode turns the KV cache off.
-    with engine.eval_mode(model):
-        completion_ids, sampler_logp = decode(model, prompt_ids, prompt_mask, G,
-                                              cfg.max_new_tokens, pick)            # (N, T) x2
-
+    training = model.training
+    model.eval()
+    try:
+        completion_ids, sampler_logp = (sample or decode)(model, prompt_ids, prompt_mask, G,
+                                                          cfg.max_new_tokens, pick)  # (N, T) x2
+    finally:
+        model.train(training)
     # NOTE: the rows come out grouped: completion n answers prompt n // G.
     completion_mask = completion_mask_from_ids(completion_ids, eos_ids)              # (N, T)
     # WHY: pads after EOS may equal a real token id; mask them out by position, not by id.
     kept = completion_ids * completion_mask + pad_id * (1 - completion_mask)          # (N, T)
     texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
     # A completion with no EOS at all stopped because it hit max_new_tokens.
-    truncated = ~torch.isin(completion_ids, eos).any(1)                               # (N,)
+    truncated = ~torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)  # (N,)
     return dict(prompt_ids=prompt_ids.repeat_interleave(G, 0),                        # (N, P)
                 prompt_mask=prompt_mask.repeat_interleave(G, 0),                      # (N, P)
                 completion_ids=completion_ids, completion_mask=completion_mask,       # (N, T)
@@ -442,13 +463,10 @@ def process_advantages(step_rewards: list[list[tuple[int, float]]], group_size: 
 #        for the KL term).
 # WHY: one function scores all three, so they see the same positions, masks and temperature.
 def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                   temperature: float = 1.0, with_entropy: bool = False, chunk: int = 0,
-                   share_prompts: bool = False):
+                   temperature: float = 1.0, with_entropy: bool = False):
     """log π(o_t | q, o_<t) of each completion token: (n, P), (n, T) -> logp (n, T) [, entropy].
 
     Runs with gradients if the caller has them on; wrap it in torch.no_grad() for π_old and π_ref.
-    chunk > 0: memory.token_logprobs_chunked computes the same, `chunk` tokens at a time.
-    share_prompts: engine.shared_logits computes the same logits, each prompt run once.
     NOTE: the logits are divided by the sampling temperature, so the loss scores the very
           distribution that drew the tokens; at any temperature but 1 that is not the raw softmax.
     """
@@ -458,17 +476,18 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
     # WHY: sampling numbers positions from the first real token of a left-padded prompt; so must
     #      we, or models with absolute position embeddings would score a different sequence.
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)                        # (n, P+T)
-    if chunk:  # WHY (memory): at a real vocabulary the (n, T, V) logits below are the largest
-        return memory.token_logprobs_chunked(model, input_ids, attention_mask, position_ids,
-                                             completion_ids, temperature, with_entropy, chunk)
-    # WHY (speed): G completions of one prompt need its layers run once, not G times (engine.py).
-    logits = engine.shared_logits(model, input_ids, attention_mask, T) if share_prompts else None
-    if logits is None:  # NOTE: share_prompts off, or engine.share_blocker says why it cannot
-        # WHY (memory): logits for the last T+1 positions only; the prompt's are never read.
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    use_cache=False, **engine.last_logits_only(model, T + 1))
-        # NOTE: the logit at position t predicts token t+1: the completion's are one to the left.
-        logits = out.logits[:, -(T + 1):-1, :]                                        # (n, T, V)
+    # WHY (memory): logits for the last T+1 positions only, where the model can skip the rest.
+    keep = ({"logits_to_keep": T + 1}
+            if "logits_to_keep" in inspect.signature(model.forward).parameters else {})
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                use_cache=False, **keep)
+    # NOTE: the logit at position t predicts token t+1: the completion's are one to the left.
+    return logprobs_of(out.logits[:, -(T + 1):-1, :], completion_ids, temperature,  # (n, T, V)
+                       with_entropy)
+
+
+def logprobs_of(logits, completion_ids, temperature: float, with_entropy: bool):
+    """From the logits that predict each completion token, (n, T, V), to logp (n, T) [, entropy]."""
     logits = logits.float() / temperature                                             # (n, T, V)
     # PAPER: log softmax(l)[o] = l[o] - logsumexp(l)
     # WHY (memory): gather + logsumexp never keeps a second (n, T, V) log_softmax tensor alive.
@@ -491,15 +510,23 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
 # PAPER: eq. 3 is PPO's clipped surrogate with two changes: A is the group advantage, and the KL
 #        to π_ref is a term of the loss instead of a per-token penalty inside the reward.
 # NOTE: r_it(θ) in this section is the probability RATIO π_θ/π_old, not a reward; A holds rewards.
-def grpo_loss(logp, logp_old, logp_ref, advantages, completion_mask, *, clip_eps=0.2,
-              clip_eps_high=None, beta=0.04, loss_type="grpo", max_completion_length=None,
-              importance_sampling_level="token"):
-    """loss = -J(θ) for one batch, and its stats (kl, clip_ratio/low, /high, /region). logp,
-    logp_old, logp_ref, completion_mask: (N, T); advantages (N,) (outcome) or (N, T) (process).
+def clipped_surrogate(ratio, logp, A, clip_eps: float, clip_eps_high: float):
+    """Eq. 3's per-token objective: ratio, logp (N, T), A (N, 1) or (N, T) -> (N, T).
 
     Example (test_clip_binds_above_with_positive_advantage): ratio 1.3, ε = 0.2, A = +1 gives
     min(1.3, 1.2) = 1.2, and no gradient through the ratio: the update has gone far enough.
     """
+    # PAPER: min( r·A , clip(r, 1-ε, 1+ε)·A )                       (eq. 3; ε_high is DAPO's)
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)                     # (N, T)
+    return torch.min(ratio * A, clipped * A)                                          # (N, T)
+
+
+def grpo_loss(logp, logp_old, logp_ref, advantages, completion_mask, *, clip_eps=0.2,
+              clip_eps_high=None, beta=0.04, loss_type="grpo", max_completion_length=None,
+              importance_sampling_level="token", surrogate=None):
+    """loss = -J(θ) for one batch, and its stats (kl, clip_ratio/low, /high, /region). logp,
+    logp_old, logp_ref, completion_mask: (N, T); advantages (N,) (outcome) or (N, T) (process).
+    surrogate replaces clipped_surrogate (Seams.surrogate)."""
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     if beta != 0 and logp_ref is None:
@@ -519,10 +546,7 @@ def grpo_loss(logp, logp_old, logp_ref, advantages, completion_mask, *, clip_eps
     if importance_sampling_level == "sequence":
         log_ratio = sequence_log_ratio(log_ratio, mask)  # DEVIATION (opt-in, GSPO): see Variants
     ratio = torch.exp(log_ratio)                                                      # (N, T)
-    # PAPER: min( r·A , clip(r, 1-ε, 1+ε)·A )                       (eq. 3; ε_high is DAPO's)
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high)                     # (N, T)
-    surrogate = (torch.min(ratio * A, clipped * A) if loss_type != "cispo"            # (N, T)
-                 else baselines.cispo_surrogate(ratio, logp, A, clip_eps_high))  # DEVIATION: CISPO
+    surrogate = (surrogate or clipped_surrogate)(ratio, logp, A, clip_eps, clip_eps_high)  # (N, T)
 
     # 6. PAPER: D_KL[π_θ||π_ref] = π_ref/π_θ - log(π_ref/π_θ) - 1        (eq. 4, Schulman's k3)
     # NOTE: log(π_ref/π_θ) = ln 2 gives 2 - ln 2 - 1 = 0.3069; -ln 2 gives 0.5 + ln 2 - 1 = 0.1931.
@@ -543,7 +567,7 @@ def grpo_loss(logp, logp_old, logp_ref, advantages, completion_mask, *, clip_eps
     if loss_type == "grpo":
         # PAPER: 1/G Σ_i 1/|o_i| Σ_t                                                  (eq. 3)
         loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
-    elif loss_type in ("token", "cispo"):
+    elif loss_type == "token":
         # DEVIATION (opt-in, DAPO arXiv 2503.14476): Σ_i Σ_t / Σ_i |o_i|
         loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
     else:
@@ -622,66 +646,87 @@ def micro_batches(batch: dict, size: int):
                   batch["completion_ids"][s], batch["completion_mask"][s])        # (n, T), (n, T)
 
 
-def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOConfig) -> dict:
+def clipped_step(policy, optimizer, losses, max_grad_norm: float) -> tuple[float, bool]:
+    """One update: zero_grad -> backward each micro-batch's weighted loss -> clip -> AdamW step.
+    Returns (the gradient norm before clipping, whether the weights moved)."""
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for loss in losses:  # NOTE: a generator: each micro-batch's graph is built, then freed here
+        loss.backward()
+        total += loss.item()
+    # WHY: clip the norm of the summed gradient, as one whole batch would.
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm).item()
+    # WHY: one non-finite gradient would poison every weight through Adam's moments; skip the
+    #      update, leave weights and optimizer state untouched (policy_update counts it).
+    stepped = math.isfinite(grad_norm) and math.isfinite(total)
+    if stepped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)  # WHY (memory): no gradient kept between steps
+    return grad_norm, stepped
+
+
+def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOConfig,
+                  seams: Seams = Seams()) -> dict:
     """Algorithm 1's inner loop: μ optimizer steps on this batch, each over every micro-batch.
     logp_old is None when μ = 1 (π_old = π_θ). Returns loss, KL, clip, entropy and gradient stats,
-    and how far the sampler's log-probs are from these (sampling/*, first update only).
+    and how far the sampler's log-probs are from the first update's (sampling/*).
 
-    Each update: zero the gradient; for each micro-batch, score the tokens under π_θ (4), build
-    the loss (5-7) and backward its weighted share; clip the global gradient norm; one AdamW step.
+    Each update scores the tokens under π_θ (4), builds the loss (5-7) and hands each
+    micro-batch's weighted share to clipped_step (zero_grad, backward, clip, AdamW).
     NOTE: at μ = 1 the logged loss is ~0 while the gradient is not (grpo_loss, step 5); watch
           reward and kl, not loss. An update whose loss or gradient is not finite is skipped.
     """
-    mask, mu, size = batch["completion_mask"], cfg.num_iterations, cfg.micro_batch_size  # (N, T)
-    slices = [s for s, _ in micro_batches(batch, size)]
+    mask, mu = batch["completion_mask"], cfg.num_iterations                           # (N, T)
+    slices = [s for s, _ in micro_batches(batch, cfg.micro_batch_size)]
     # WHY: each micro-batch's mean loss is weighted so that the weighted sum is the full batch's
     #      loss (and so its gradient): 'grpo' and 'dr_grpo' average over sequences, so a micro-batch
     #      weighs n_mb / N; 'token' averages over tokens, so it weighs its share of the tokens.
     tok_share = [mask[s].sum().item() / max(1, mask.sum().item()) for s in slices]
-    weights = (tok_share if cfg.loss_type in ("token", "cispo")
+    weights = (tok_share if cfg.loss_type == "token"
                else [(s.stop - s.start) / mask.shape[0] for s in slices])
-    # NOTE: stats gains kl and clip_ratio/*, each a token-weighted mean over the batch.
-    # NOTE: sums (3,) collects engine.agreement over the first update's micro-batches.
-    stats, grad_norm, skipped, sums = {"loss": 0.0}, 0.0, 0, mask.new_zeros(3, dtype=torch.float64)
-    for it in range(mu):
-        optimizer.zero_grad(set_to_none=True)
-        loss_this_update = 0.0
-        for (s, inputs), w, share in zip(micro_batches(batch, size), weights, tok_share):
-            logp, entropy = token_logprobs(policy, *inputs, cfg.temperature, True,
-                                           cfg.logprob_chunk, cfg.share_prompts)      # (n, T) x2
+    stats, first = {"loss": 0.0}, []  # NOTE: first: the first update's (logp, entropy) pieces
+
+    def weighted_losses(it):
+        for (s, inputs), w, share in zip(micro_batches(batch, cfg.micro_batch_size), weights,
+                                         tok_share):
+            logp, entropy = (seams.score or token_logprobs)(policy, *inputs, cfg.temperature,
+                                                            True)                     # (n, T) x2
             # NOTE: with μ = 1 no π_old pass was run: π_old = π_θ, so logp_old = logp.detach().
             old = logp.detach() if logp_old is None else logp_old[s]                  # (n, T)
-            ref = None if logp_ref is None else logp_ref[s]                           # (n, T)
-            loss, loss_parts = grpo_loss(
-                logp, old, ref, batch["advantages"][s], mask[s], clip_eps=cfg.clip_eps,
-                clip_eps_high=cfg.clip_eps_high, beta=cfg.beta, loss_type=cfg.loss_type,
-                max_completion_length=cfg.max_new_tokens,
-                importance_sampling_level=cfg.importance_sampling_level)
-            if not cfg.update_in_backward:  # NOTE: else one backward below steps AdamW inside it
-                (loss * w).backward()
-            loss_this_update += loss.item() * w
-            for k, v in loss_parts.items():
+            loss, parts = grpo_loss(
+                logp, old, None if logp_ref is None else logp_ref[s], batch["advantages"][s],
+                mask[s], clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, beta=cfg.beta,
+                loss_type=cfg.loss_type, max_completion_length=cfg.max_new_tokens,
+                importance_sampling_level=cfg.importance_sampling_level,
+                surrogate=seams.surrogate)
+            stats["loss"] += loss.item() * w / mu
+            for k, v in parts.items():  # NOTE: kl and clip_ratio/*, token-weighted over the batch
                 stats[k] = stats.get(k, 0.0) + v * share / mu
             if it == 0:
-                sums += engine.agreement(logp, entropy, batch["sampler_logp"][s], mask[s])  # (3,)
-        stats["loss"] += loss_this_update / mu
-        if cfg.update_in_backward:  # NOTE: memory.py: clip and AdamW inside the backward
-            grad_norm = memory.step_in_backward(policy.parameters(), optimizer, loss * w,
-                                                cfg.max_grad_norm, len(slices))
-        else:  # WHY: clip the norm of the summed gradient, as one whole batch would
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(),
-                                                       cfg.max_grad_norm).item()
-        if math.isfinite(grad_norm) and math.isfinite(loss_this_update):
-            optimizer.step()  # NOTE: after update_in_backward no gradient is left: it moves nothing
-        else:
-            # WHY: one non-finite gradient would poison every weight through Adam's moments; skip
-            #      the update, leave weights and optimizer state untouched, count it (metrics).
-            skipped += 1
-        optimizer.zero_grad(set_to_none=True)
-    entropy, gap, outside = (sums / max(1.0, mask.sum().item())).tolist()
-    stats.update({"entropy": entropy, "sampling/logp_difference/mean": gap,
-                  "sampling/ratio_outside_0.9_1.1": outside})
-    return {**stats, "grad_norm": grad_norm, "skipped_updates": skipped}
+                first.append((logp.detach(), entropy))
+            yield loss * w
+
+    skipped = 0
+    for it in range(mu):
+        grad_norm, stepped = (seams.update or clipped_step)(policy, optimizer,
+                                                            weighted_losses(it), cfg.max_grad_norm)
+        skipped += not stepped
+    logp, entropy = (torch.cat(x) for x in zip(*first))                               # (N, T) x2
+    return {**stats, **sampler_agreement(logp, entropy, batch["sampler_logp"], mask),
+            "grad_norm": grad_norm, "skipped_updates": skipped}
+
+
+@torch.no_grad()
+def sampler_agreement(logp, entropy, sampler_logp, mask) -> dict:
+    """Mean entropy, and how far the trainer's log-probs (logp) are from the sampler's over the
+    real tokens: (N, T) each. TRL's names: sampling/logp_difference/mean, .../ratio_outside...
+    NOTE: the policy scores each token twice, once while sampling (token by token, KV cache) and
+          once here: equal to rounding in fp32; bf16 or a separate inference engine drift apart."""
+    real, n = mask.bool(), max(1.0, mask.sum().item())                                # (N, T)
+    gap = torch.where(real, logp - sampler_logp, 0.0)                                 # (N, T)
+    return {"entropy": torch.where(real, entropy, 0.0).sum().item() / n,
+            "sampling/logp_difference/mean": gap.abs().sum().item() / n,
+            "sampling/ratio_outside_0.9_1.1": ((gap.exp() - 1).abs() > 0.1).sum().item() / n}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -691,7 +736,7 @@ def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOC
 # it is on, fixed_logprobs (4), policy_update (5-8), step_metrics. Everything else in this file is
 # one of those calls, or a piece of one.
 def rollout(policy, tokenizer, prompts: list[str], columns: dict | None,
-            reward_funcs: Sequence[Callable], cfg: GRPOConfig) -> dict:
+            reward_funcs: Sequence[Callable], cfg: GRPOConfig, seams: Seams = Seams()) -> dict:
     """Steps 1-3 for B prompts: sample G completions each, score them, standardise in each group.
     Returns sample_completions' batch plus, per completion: prompts, columns, rewards (N,),
     advantages ((N,) outcome, (N, T) process) and reward_means (name -> mean).
@@ -699,7 +744,7 @@ def rollout(policy, tokenizer, prompts: list[str], columns: dict | None,
     """
     G = cfg.group_size
     # 1. Sample G completions per prompt from the current policy, which is π_old for this step.
-    batch = sample_completions(policy, tokenizer, prompts, cfg)
+    batch = sample_completions(policy, tokenizer, prompts, cfg, sample=seams.sample)
     assert batch["completion_ids"].shape[0] == len(prompts) * G
     # Every per-prompt column is repeated G times, so row n of every list belongs together.
     batch["prompts"] = [p for p in prompts for _ in range(G)]
@@ -710,21 +755,20 @@ def rollout(policy, tokenizer, prompts: list[str], columns: dict | None,
     batch["rewards"], batch["reward_means"] = compute_rewards(
         reward_funcs, batch["prompts"], batch["completions"], batch["columns"], cfg.reward_weights)
     # 3. Advantages: one per completion, shared by all its tokens (outcome supervision, §4.1.2).
-    A = (group_advantages(batch["rewards"], G, cfg.scale_rewards, cfg.adv_eps)        # (N,)
-         if cfg.baseline == "group" else baselines.ADVANTAGES[cfg.baseline](batch["rewards"], G))
+    A = (seams.advantages(batch["rewards"], G) if seams.advantages                    # (N,)
+         else group_advantages(batch["rewards"], G, cfg.scale_rewards, cfg.adv_eps))
     batch["advantages"] = A.to(batch["completion_ids"].device)                        # (N,)
     return batch
 
 
 @torch.no_grad()
-def fixed_logprobs(policy, ref_model, batch: dict, cfg: GRPOConfig):
+def fixed_logprobs(policy, ref_model, batch: dict, cfg: GRPOConfig, seams: Seams = Seams()):
     """Step 4's log-probs that stay fixed during the update: log π_old (only for μ > 1) and
     log π_ref (only for β != 0); each (N, T) or None.
     NOTE: π_old must be scored before the first update moves π_θ: after it, π_θ is no longer the
           policy that sampled."""
     def over_batch(model):
-        return torch.cat([token_logprobs(model, *inputs, cfg.temperature, False,
-                                         cfg.logprob_chunk, cfg.share_prompts)        # (n, T)
+        return torch.cat([(seams.score or token_logprobs)(model, *inputs, cfg.temperature)  # (n, T)
                           for _, inputs in micro_batches(batch, cfg.micro_batch_size)])  # (N, T)
 
     # NOTE: with μ = 1 this pass is skipped: π_old = π_θ, and policy_update uses logp.detach().
@@ -736,12 +780,14 @@ def fixed_logprobs(policy, ref_model, batch: dict, cfg: GRPOConfig):
 def grpo_step(policy, ref_model, optimizer, tokenizer, prompts: list[str],
               reward_funcs: Sequence[Callable], cfg: GRPOConfig, columns: dict | None = None,
               return_samples: bool = False,
-              more_prompts: Callable[[int], tuple[list[str], dict]] | None = None) -> dict:
+              more_prompts: Callable[[int], tuple[list[str], dict]] | None = None,
+              seams: Seams = Seams()) -> dict:
     """One GRPO step on B prompts: sample, score, standardise, then μ clipped-ratio updates.
 
     columns: extra per-prompt data for the reward functions (e.g. {"answer": [...]}, B each).
     return_samples=True adds metrics["samples"]: per completion its prompt, text, reward, A.
     more_prompts(k) -> (k prompts, their columns): fresh prompts for cfg.dynamic_sampling.
+    seams: code from outside that takes over a part (Seams); the default runs only this file.
     Returns the step's metrics, named as TRL names them.
 
         policy = disable_dropout(model); ref = make_reference(policy)
@@ -754,16 +800,16 @@ def grpo_step(policy, ref_model, optimizer, tokenizer, prompts: list[str],
     if cfg.beta != 0 and ref_model is None:
         raise ValueError("beta != 0 needs a reference model (make_reference(policy))")
     # 1-3. Sample G completions per prompt, score them, standardise the rewards within each group.
-    batch = rollout(policy, tokenizer, prompts, columns, reward_funcs, cfg)
+    batch = rollout(policy, tokenizer, prompts, columns, reward_funcs, cfg, seams)
     sampled = [batch]
     if cfg.dynamic_sampling:  # DEVIATION (opt-in, DAPO): keep only groups with signal, see Variants
         batch, sampled = dynamic_sampling(batch, len(prompts), more_prompts, policy, tokenizer,
-                                          reward_funcs, cfg)
+                                          reward_funcs, cfg, seams)
     # 4. log π_old and log π_ref of the sampled tokens, fixed while the policy moves. (π_θ's own
     #    log-probs are taken inside the update, with gradients.)
-    logp_old, logp_ref = fixed_logprobs(policy, ref_model, batch, cfg)            # (N, T) or None
+    logp_old, logp_ref = fixed_logprobs(policy, ref_model, batch, cfg, seams)      # (N, T) or None
     # 5-8. μ updates: ratio, clip, KL, aggregation, backward, gradient clip, AdamW step.
-    update = policy_update(policy, optimizer, batch, logp_old, logp_ref, cfg)
+    update = policy_update(policy, optimizer, batch, logp_old, logp_ref, cfg, seams)
     metrics = {**step_metrics(batch, sampled, update, cfg), "step_time": time.perf_counter() - t0}
     if return_samples:
         metrics["samples"] = samples_of(batch)
@@ -791,7 +837,7 @@ def step_metrics(batch: dict, sampled: list[dict], update: dict, cfg: GRPOConfig
         "reward_std": group_std.mean().item(),
         **{f"rewards/{name}": v for name, v in reward_means.items()},
         "frac_reward_zero_std": (group_std < 1e-8).float().mean().item(),
-        **update,  # loss, kl, clip_ratio/low, /high, /region, entropy, grad_norm, skipped_updates
+        **update,  # loss, kl, clip_ratio/*, entropy, sampling/*, grad_norm, skipped_updates
         "completions/mean_length": batch["completion_mask"].sum(1).float().mean().item(),
         "completions/clipped_ratio": batch["truncated"].float().mean().item(),
     }
@@ -843,10 +889,10 @@ def score_steps(batch: dict, tokenizer, reward_funcs: Sequence[Callable], cfg: G
         raise ValueError(f"process reward {reward_name(fn)!r} must return, for each of the {N} "
                          f"completions, a non-empty list of (end, reward) steps")
     # A step ends at a character of the decoded text; its reward goes on the token holding that
-    # character (rewards.step_token_index), so tokens after a wrong step are not blamed for it.
+    # character (step_token_index), so tokens after a wrong step are not blamed for it.
     lengths = batch["completion_mask"].sum(1)                                         # (N,)
-    ends = rewards.step_token_index(tokenizer, batch["completion_ids"], lengths,
-                                    [[e for e, _ in s] for s in steps])
+    ends = step_token_index(tokenizer, batch["completion_ids"], lengths,
+                            [[e for e, _ in s] for s in steps])
     token_steps = [list(zip(e, (float(r) for _, r in s))) for e, s in zip(ends, steps)]
     batch["rewards"] = torch.tensor([float(s[-1][1]) for s in steps])                 # (N,)
     batch["reward_means"] = {reward_name(fn): batch["rewards"].mean().item(), "steps_mean":
@@ -856,8 +902,26 @@ def score_steps(batch: dict, tokenizer, reward_funcs: Sequence[Callable], cfg: G
     return batch
 
 
+def step_token_index(tokenizer, completion_ids, lengths, step_ends: list[list[int]]):
+    """Map each step's end, a character index into the decoded completion, to the token holding
+    its last character; completion_ids (N, T), lengths (N,). A step ending at the text's end maps
+    to the completion's last token (its EOS, if it has one), so the final step credits stopping."""
+    out = []
+    for ids, n, ends in zip(completion_ids.tolist(), lengths.tolist(), step_ends):
+        # WHY decode prefixes, not single tokens: a SentencePiece token decoded alone loses its
+        #     leading space, and a byte-level token holding part of a character decodes to
+        #     "\ufffd". A prefix decodes as the whole text does.
+        def chars_through(k, ids=ids):  # length of the text that tokens 0..k decode to
+            return len(tokenizer.decode(ids[:k + 1], skip_special_tokens=True))
+        text_len = chars_through(n - 1) if n else 0
+        # The first token whose prefix holds character e-1 (the step's last): a binary search.
+        out.append([n - 1 if e >= text_len else bisect.bisect_left(range(n), e, key=chars_through)
+                    for e in ends])
+    return out
+
+
 def dynamic_sampling(batch: dict, B: int, more_prompts, policy, tokenizer,
-                     reward_funcs: Sequence[Callable], cfg: GRPOConfig):
+                     reward_funcs: Sequence[Callable], cfg: GRPOConfig, seams: Seams = Seams()):
     """DAPO's dynamic sampling (arXiv 2503.14476). Returns (the batch to train on, every rollout).
 
     DEVIATION (opt-in): a group whose rewards all agree has advantage 0 on every token, so it adds
@@ -876,10 +940,34 @@ def dynamic_sampling(batch: dict, B: int, more_prompts, policy, tokenizer,
         missing = B - sum(len(groups) for _, groups in parts)
         if missing <= 0 or more_prompts is None:
             break
-        extra = rollout(policy, tokenizer, *more_prompts(missing), reward_funcs, cfg)
+        extra = rollout(policy, tokenizer, *more_prompts(missing), reward_funcs, cfg, seams)
         sampled.append(extra)
         parts.append((extra, with_signal(extra)[:missing]))
     if not any(groups for _, groups in parts):
         # WHY: if every group agreed, train on the first draw as plain GRPO would (A = 0).
         return batch, sampled
-    return engine.merge_groups(parts, G, engine.pad_token_id(policy, tokenizer)), sampled
+    return merge_groups(parts, G, pad_token_id(policy, tokenizer)), sampled
+
+
+def merge_groups(parts: list[tuple[dict, list[int]]], G: int, pad_id: int) -> dict:
+    """The chosen groups (each G consecutive rows) of several rollouts, as one rollout. WHY: each
+    rollout was padded to its own longest prompt and completion; the merged one is re-padded to
+    the longest of all, prompts on the left and completions on the right, so the masks stay exact.
+    """
+    rows = [(b, [g * G + i for g in groups for i in range(G)]) for b, groups in parts]
+    out = {k: [b[k][r] for b, rs in rows for r in rs] for k in ("prompts", "completions")}
+    out["columns"] = {k: [b["columns"][k][r] for b, rs in rows for r in rs]
+                      for k in parts[0][0]["columns"]}
+    P, T = (max(b[k].shape[1] for b, _ in parts) for k in ("prompt_ids", "completion_ids"))
+    padding = {"prompt_ids": (P, "left", pad_id), "prompt_mask": (P, "left", 0),
+               "completion_ids": (T, "right", pad_id), "completion_mask": (T, "right", 0),
+               "advantages": (T, "right", 0.0), "sampler_logp": (T, "right", 0.0),
+               "rewards": None, "truncated": None}
+    for k, pad in padding.items():
+        xs = [b[k][torch.tensor(rs, dtype=torch.long, device=b[k].device)] for b, rs in rows]
+        if pad is not None and xs[0].dim() == 2:  # WHY: outcome advantages are (n,), never padded
+            width, side, value = pad
+            fills = [x.new_full((x.shape[0], width - x.shape[1]), value) for x in xs]  # (n, gap)
+            xs = [torch.cat([f, x] if side == "left" else [x, f], dim=1) for x, f in zip(xs, fills)]
+        out[k] = torch.cat(xs)                                                        # (n_all, ...)
+    return out

@@ -167,14 +167,17 @@ def check_reward_funcs(funcs, rows: list[dict], cfg: grpo.GRPOConfig):
 # Evaluation: greedy accuracy with the same answer checker as training
 # ----------------------------------------------------------------------------------------------
 def evaluate(model, tokenizer, rows: list[dict], cfg: grpo.GRPOConfig, system_prompt: str = "",
-             batch_size: int = 100, desc: str = "eval", template: str = "plain") -> float:
-    """Share of `rows` whose greedy completion (cfg's max_new_tokens) has the right final answer."""
+             batch_size: int = 100, desc: str = "eval", template: str = "plain",
+             sample=None) -> float:
+    """Share of `rows` whose greedy completion (cfg's max_new_tokens) has the right final answer.
+    sample: a decode loop (grpo.Seams.sample; None: grpo.decode)."""
     from tqdm.auto import tqdm
     correct = 0.0
     for i in tqdm(range(0, len(rows), batch_size), desc=desc, leave=False, unit="batch"):
         chunk = rows[i:i + batch_size]
         prompts = [make_prompt(tokenizer, r["question"], system_prompt, template) for r in chunk]
-        out = grpo.sample_completions(model, tokenizer, prompts, cfg, greedy=True, group_size=1)
+        out = grpo.sample_completions(model, tokenizer, prompts, cfg, greedy=True, group_size=1,
+                                      sample=sample)
         correct += sum(
             rewards.correctness_reward(
                 out["completions"],
@@ -265,8 +268,11 @@ def eval_command(argv: list[str]) -> dict:
     model, tokenizer = load_for_eval(a.model)
     model = grpo.disable_dropout(model).to(device).eval()
     cfg = grpo.GRPOConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature)
+    import engine  # NOTE: the fast sampler; it draws grpo.decode's tokens
+    sample = engine.apply(engine.EngineConfig(), grpo.Seams(), grpo.eos_token_ids(model, tokenizer),
+                          grpo.pad_token_id(model, tokenizer)).sample
     greedy = evaluate(model, tokenizer, rows, cfg, a.system_prompt, a.batch_size, "greedy",
-                      a.template)
+                      a.template, sample)
     torch.manual_seed(a.seed)
     maj = pas = 0
     per = max(1, a.batch_size // a.k)  # problems per sampling batch
@@ -274,7 +280,7 @@ def eval_command(argv: list[str]) -> dict:
         chunk = rows[i:i + per]
         prompts = [make_prompt(tokenizer, r["question"], a.system_prompt, a.template)
                    for r in chunk]
-        out = grpo.sample_completions(model, tokenizer, prompts, cfg, group_size=a.k)
+        out = grpo.sample_completions(model, tokenizer, prompts, cfg, group_size=a.k, sample=sample)
         for j, (r, prompt) in enumerate(zip(chunk, prompts)):
             m, s = maj_and_pass(out["completions"][j * a.k:(j + 1) * a.k], r, prompt)
             maj, pas = maj + m, pas + s

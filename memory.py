@@ -1,17 +1,23 @@
 """
-memory.py -- memory machinery beside grpo.py: log-probs in chunks, lean activations, activations
-kept in CPU RAM, AdamW stepped inside backward.
+memory.py -- memory machinery for grpo.py, applied from outside it: log-probs in chunks, lean
+activations, activations kept in CPU RAM, AdamW stepped inside backward.
 
-    logp = token_logprobs_chunked(model, ids, mask, positions, completion_ids, 1.0, False, 1024)
+    seams = memory.apply(MemoryConfig(logprob_chunk=1024), grpo.Seams())   # score= and update=
     lean_activations(model)          # SwiGLU MLPs and RMSNorms keep fewer tensors for backward
     with offloaded(True):            # tensors saved for backward go to CPU RAM (on a GPU)
-        grpo.grpo_step(...)
-    step_in_backward(params, optimizer, loss, max_grad_norm)   # each weight steps in backward
+        grpo.grpo_step(..., seams=seams)
 
 Each gives the plain code's numbers, bit for bit or within float tolerance (tests/test_memory.py),
-and each is a switch: GRPOConfig.logprob_chunk (grpo.token_logprobs calls the chunked version when
-it is set), train_gsm8k.py --lean-activations and --offload-activations, and
-GRPOConfig.update_in_backward (grpo.policy_update calls step_in_backward).
+and each is a switch of MemoryConfig (train_gsm8k.py --help shows them in their own section).
+grpo.py knows none of them: the chunked scorer and the update inside backward reach it through
+grpo.Seams, the others act on the model or around the step.
+
+What each buys, measured (docs/memory.md; the 2-core Intel Xeon CPU, torch 2.13, at Qwen2.5-0.5B's
+architecture unless stated): chunks keep at most `chunk` tokens' logits, where one 512-token
+completion's are 311 MB at Qwen's vocabulary; lean activations keep 2 i + 2 h fewer floats a token
+and block (0.45 GB for 1,000 tokens without checkpointing); the update inside backward never holds
+the whole model's gradients at once, for a second backward pass; offloading pays only on a GPU
+(a projection there: no GPU has measured it).
 
 WHY chunks: the plain grpo.token_logprobs materialises a micro-batch's logits, (n, T, V) in fp32,
 keeps them for backward and builds their gradient, as large again. At Qwen's 151,936-entry
@@ -26,22 +32,88 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
 import platform
 import types
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+import grpo
 import lora
+from engine import base_model
+
+
+@dataclass
+class MemoryConfig:
+    """The memory machinery's switches (train_gsm8k.py --help shows them in their own section).
+    Each gives the plain code's numbers, within float tolerance."""
+
+    logprob_chunk: int = 0
+    """Score log-probs this many completion tokens at a time (token_logprobs_chunked), never
+    holding a whole micro-batch's (n, T, V) logits; the same numbers. 0: all at once."""
+    update_in_backward: bool = False
+    """Step AdamW on each weight inside backward and free its gradient at once, so the model's
+    gradients never exist together (step_in_backward, LOMO): the same update, two backward
+    passes instead of one. Needs the whole batch in one micro-batch."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory (slower)."""
+    lean_activations: bool = False
+    """SwiGLU MLPs and RMSNorms keep fewer activations for backward, recompute the rest."""
+    offload_activations: bool = False
+    """Keep tensors saved for backward in CPU RAM (offloaded; pays on a GPU). Slower."""
+    return_freed_memory: bool = False
+    """CPU only: have glibc give freed blocks of 1 MB or more back to the system at once, for the
+    whole process (return_freed_memory). Lowers resident memory; costs time (docs/memory.md)."""
+
+    def __post_init__(self):
+        if self.logprob_chunk < 0:
+            raise ValueError(f"logprob_chunk must be >= 0, got {self.logprob_chunk}")
+
+
+def apply(cfg: MemoryConfig, seams: grpo.Seams) -> grpo.Seams:
+    """`seams` with the chunked scorer (cfg.logprob_chunk) and the update inside backward
+    (cfg.update_in_backward) where they are on. The other switches act on the model
+    (lean_activations, engine.enable_activation_checkpointing) or around the step (offloaded)."""
+    if cfg.logprob_chunk:
+        seams = replace(seams, score=chunked_scorer(cfg.logprob_chunk))
+    return replace(seams, update=step_inside_backward) if cfg.update_in_backward else seams
+
+
+def chunked_scorer(chunk: int):
+    """A scorer with grpo.token_logprobs' arguments and results that scores `chunk` completion
+    tokens at a time (token_logprobs_chunked)."""
+    def score(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+              temperature: float = 1.0, with_entropy: bool = False):
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)                    # (n, P+T)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)             # (n, P+T)
+        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)                    # (n, P+T)
+        return token_logprobs_chunked(model, input_ids, attention_mask, position_ids,
+                                      completion_ids, temperature, with_entropy, chunk)
+    return score
+
+
+def step_inside_backward(policy, optimizer, losses, max_grad_norm: float) -> tuple[float, bool]:
+    """grpo.clipped_step's contract, with AdamW stepped inside backward (step_in_backward): one
+    micro-batch's loss, the same update. Returns (gradient norm, whether the weights moved)."""
+    losses = iter(losses)
+    loss = next(losses)
+    if next(losses, None) is not None:
+        raise ValueError("update_in_backward needs the whole batch in one micro-batch: raise "
+                         "micro_batch_size to the completions per step")
+    optimizer.zero_grad(set_to_none=True)
+    grad_norm = step_in_backward(policy.parameters(), optimizer, loss, max_grad_norm)
+    return grad_norm, math.isfinite(grad_norm) and math.isfinite(loss.item())
 
 
 def backbone_and_head(model):
     """(the transformer without its output layer, the output layer) of a causal LM, PEFT-wrapped
     or not. NOTE: LoRA layers sit inside the backbone's modules, so they run, and switch off,
     as in the full forward."""
-    base = lora.unwrap(model)
+    base = base_model(model)
     return base.base_model, base.get_output_embeddings()
 
 
@@ -145,7 +217,7 @@ class _TiedEmbedding(torch.autograd.Function):
 def _embeddings(model, input_ids, sink):
     """The input embeddings through _TiedEmbedding where they are tied to a trained output layer,
     else None (the model embeds input_ids itself). (n, L) -> (n, L, H)."""
-    base = lora.unwrap(model)
+    base = base_model(model)
     emb, head = base.get_input_embeddings(), base.get_output_embeddings()
     if not (torch.is_grad_enabled() and type(emb) is torch.nn.Embedding
             and emb.max_norm is None and not emb.scale_grad_by_freq
@@ -306,7 +378,8 @@ def return_freed_memory():
     gradient on its own, hundreds of blocks of a few MB, twice a step: kept, they cost more than
     the gradients saved (+1.4 GB at Qwen2.5-0.5B, docs/memory.md), and the sampler's and the
     reference pass's freed memory sits under backward's peak. On a GPU it changes nothing there:
-    PyTorch's caching allocator holds GPU memory itself."""
+    PyTorch's caching allocator holds GPU memory itself.
+    NOTE: process-wide, so never switched on by another flag: MemoryConfig.return_freed_memory."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or platform.libc_ver()[0] != "glibc":
         return
     libc = ctypes.CDLL(None)
@@ -314,8 +387,7 @@ def return_freed_memory():
     libc.malloc_trim(0)
 
 
-def step_in_backward(params, optimizer, loss, max_grad_norm: float,
-                     micro_batches: int = 1) -> float:
+def step_in_backward(params, optimizer, loss, max_grad_norm: float) -> float:
     """Backward `loss` and take `optimizer`'s step on each parameter as soon as its gradient is
     ready, then free that gradient, so the gradients of the whole model never exist at once
     (LOMO, arXiv 2306.09782). Returns the gradient norm before clipping, as clip_grad_norm_.
@@ -327,16 +399,12 @@ def step_in_backward(params, optimizer, loss, max_grad_norm: float,
     pass, so nothing moves (policy_update counts the update skipped, as it would the plain one).
     It saves memory, not time: the second backward costs what the first did (docs/memory.md).
 
-    NOTE: the step needs the whole update's gradient in one backward: one micro-batch (the
-          count policy_update passes; more is an error).
+    NOTE: the step needs the whole update's gradient in one backward: one micro-batch
+          (step_inside_backward refuses more).
     WHY it works: a parameter's gradient is accumulated only after every use of it has been
           differentiated, so changing it in place then leaves the rest of backward untouched.
     """
-    if micro_batches > 1:
-        raise ValueError(f"update_in_backward needs the whole batch in one micro-batch, got "
-                         f"{micro_batches}: raise micro_batch_size to the completions per step")
     params = [p for p in params if p.requires_grad]
-    return_freed_memory()
     norms = {}
 
     def measure(p):

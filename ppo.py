@@ -39,7 +39,7 @@ import grpo
 
 @dataclass
 class PPOConfig:
-    """PPO's own knobs, beside grpo.GRPOConfig (used only with baseline='critic')."""
+    """PPO's own knobs, beside grpo.GRPOConfig (used only with --baseline critic)."""
 
     gamma: float = 1.0
     """γ, the discount in GAE. TRL's default 1: the reward comes once, at the end."""
@@ -163,7 +163,7 @@ class Critic:
     """PPO's value model and its optimizer. Calling it runs one PPO step and takes the arguments
     grpo.grpo_step takes, so train_gsm8k.py swaps one for the other:
 
-        step = ppo.Critic(policy, gcfg, pcfg) if gcfg.baseline == "critic" else grpo.grpo_step
+        step = ppo.Critic(policy, gcfg, pcfg) if bcfg.baseline == "critic" else grpo.grpo_step
         m = step(policy, ref, optimizer, tokenizer, prompts, reward_funcs, gcfg, columns=...)
     """
 
@@ -178,16 +178,16 @@ class Critic:
             self.value, dataclasses.replace(cfg, lr=pcfg.value_lr or cfg.lr))
 
     def __call__(self, policy, ref_model, optimizer, tokenizer, prompts, reward_funcs, cfg,
-                 columns=None, return_samples=False, more_prompts=None) -> dict:
+                 columns=None, return_samples=False, more_prompts=None,
+                 seams: grpo.Seams = grpo.Seams()) -> dict:
         t0, pcfg = time.perf_counter(), self.pcfg
         if cfg.beta != 0 and ref_model is None:
             raise ValueError("beta != 0 needs a reference model (make_reference(policy))")
-        # 1-2. Sample and score exactly as GRPO does. NOTE: rollout's advantages (baseline 'none'
-        #      gives A_i = r_i) are replaced below by GAE's.
-        batch = grpo.rollout(policy, tokenizer, prompts, columns, reward_funcs,
-                             dataclasses.replace(cfg, baseline="none"))
+        # 1-2. Sample and score exactly as GRPO does, through the same seams. NOTE: rollout's
+        #      group advantages are replaced below by GAE's.
+        batch = grpo.rollout(policy, tokenizer, prompts, columns, reward_funcs, cfg, seams)
         mask = batch["completion_mask"]                                               # (N, T)
-        logp_old, logp_ref = grpo.fixed_logprobs(policy, ref_model, batch, cfg)   # (N, T) or None
+        logp_old, logp_ref = grpo.fixed_logprobs(policy, ref_model, batch, cfg, seams)  # (N, T)
         # NOTE: at μ = 1 no π_old pass runs: the sampler's own log-probs are π_old's (equal to
         #       rounding in fp32, grpo.policy_update's sampling/* metrics say how close).
         old = batch["sampler_logp"] if logp_old is None else logp_old                 # (N, T)
@@ -200,7 +200,7 @@ class Critic:
         batch["advantages"] = whiten(A, mask) if pcfg.whiten_advantages else A        # (N, T)
         # 3. The policy's clipped step: GRPO's update, with the KL already in the reward (β = 0).
         update = grpo.policy_update(policy, optimizer, batch, logp_old, None,
-                                    dataclasses.replace(cfg, beta=0.0))
+                                    dataclasses.replace(cfg, beta=0.0), seams)
         # NOTE: logged as GRPO logs it (k3 of π_ref against π_old), so the two runs compare.
         k3 = torch.exp(ref - old) - (ref - old) - 1                                   # (N, T)
         update["kl"] = ((k3 * mask).sum() / mask.sum().clamp(min=1)).item()

@@ -2,6 +2,7 @@
 train_gsm8k.py -- train a model with GRPO (grpo.py); show on held-out problems that it got better.
 
     python train_gsm8k.py                               # tiny world, CPU, no network
+    python train_gsm8k.py --plain                       # the same with grpo.py's code alone
     python train_gsm8k.py --preset qwen2.5-0.5b         # Qwen2.5-0.5B-Instruct on GSM8K, one GPU
     python train_gsm8k.py --preset qwen2.5-0.5b --data ../shared/data/gsm8k    # GSM8K, local JSONL
     python train_gsm8k.py --resume runs/tiny-20261202-101500    # continue a killed run
@@ -12,7 +13,9 @@ train_gsm8k.py -- train a model with GRPO (grpo.py); show on held-out problems t
 The recipe, top to bottom: presets and config -> data -> model -> loop -> evaluation -> save. It
 measures greedy held-out accuracy, runs --steps GRPO steps, measures again, and writes summary.json,
 metrics.jsonl (every metric, every step), curves.png, samples.jsonl, final/ (the model) and
-checkpoint-<step>/ to --out. Its helpers sit beside it; the README's file list says which is which.
+checkpoint-<step>/ to --out. Speed and memory machinery (engine.py, memory.py, lora.py) and the
+methods GRPO is compared with (baselines.py, ppo.py) are applied to grpo.py in one place, "Applied
+from outside" in main; --plain runs grpo.py's own code alone.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+import baselines
 import checkpoint
 import engine
 import flags
@@ -64,20 +68,15 @@ class TrainConfig:
     """'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', 'mps'."""
     bf16: bool = False
     """Compute in bfloat16 autocast. Weights and AdamW state stay fp32, so 1e-6 updates survive."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward to save memory (slower)."""
-    offload_activations: bool = False
-    """Keep tensors saved for backward in CPU RAM (memory.offloaded; pays on a GPU). Slower."""
-    lean_activations: bool = False
-    """SwiGLU MLPs and RMSNorms keep fewer activations for backward, recompute the rest."""
+    plain: bool = False
+    """Run grpo.py's own code alone: none of the speed and memory machinery (engine.py, memory.py)
+    below. The same distribution and the same math, slower. Not with a memory switch."""
     lora_r: int = 0
     """LoRA rank (lora.py, needs peft); 0: full fine-tuning. π_ref: adapters off. Try --lr 1e-5."""
     lora_alpha: float = 32.0
     """LoRA's alpha: each adapter's update is scaled by alpha / r."""
     lora_target_modules: str = "all-linear"
     """Modules that get adapters: comma-separated names (q_proj,v_proj) or 'all-linear'."""
-    compile: str = "auto"
-    """torch.compile for sampling and layers: on, off, auto (on where it pays: docs/speed.md)."""
     system_prompt: str = ""
     """System message for models with a chat template; empty for none."""
     template: str = "plain"
@@ -116,7 +115,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
 
 
-# Each preset: (TrainConfig overrides, GRPOConfig overrides), each override with its reason.
+# Each preset: overrides of each CONFIGS dataclass, in order (run, GRPO, PPO, engine, memory),
+# each override with its reason.
 PRESETS = {
     "tiny": (
         dict(model="", data="tiny", device="cpu",      # all offline, built by tiny_world.py
@@ -129,12 +129,14 @@ PRESETS = {
     "qwen2.5-0.5b": (
         dict(model="Qwen/Qwen2.5-0.5B-Instruct", data="openai/gsm8k",
              prompts_per_step=8, steps=200, eval_batch_size=64,
-             bf16=True, gradient_checkpointing=True,   # fits a 24 GB card, fp32 AdamW state
+             bf16=True,                                # with checkpointing: fits a 24 GB card
              save_every=50, eval_every=25,             # a checkpoint is ~6 GB (weights + AdamW)
              system_prompt=gsm8k.GSM8K_SYSTEM_PROMPT), # ask for GSM8K's '####' layout
         dict(group_size=8, lr=1e-6,                    # paper §4.2: lr 1e-6
              max_new_tokens=512,                       # long answers; a short cap zeroes reward
-             micro_batch_size=8,                       # 8 sequences of up to ~700 tokens a pass
+             micro_batch_size=8),                      # 8 sequences of up to ~700 tokens a pass
+        {}, {},
+        dict(gradient_checkpointing=True,              # fp32 AdamW state and bf16 fit 24 GB
              logprob_chunk=1024),                      # logits 1,024 rows at a time: docs/memory.md
     ),
 }
@@ -143,28 +145,40 @@ RESUME_MAY_CHANGE = {"resume", "steps", "save_every", "sample_every", "threads",
                      "eval_batch_size", "max_bad_steps", "compile", "sampler", "eval_every",
                      "report_to"}
 # The flags' dataclasses: (class, its key in a checkpoint's state, its --help section)
-CONFIGS = [(TrainConfig, "train_config", "run"), (grpo.GRPOConfig, "grpo_config", "GRPO (grpo."
-           "GRPOConfig)"), (ppo.PPOConfig, "ppo_config", "PPO's critic (ppo.PPOConfig; only with "
-                            "--baseline critic)")]
+CONFIGS = [(TrainConfig, "train_config", "run"),
+           (grpo.GRPOConfig, "grpo_config", "GRPO (grpo.GRPOConfig)"),
+           (ppo.PPOConfig, "ppo_config", "PPO's critic (ppo.PPOConfig; --baseline critic)"),
+           (engine.EngineConfig, "engine_config", "speed (engine.EngineConfig; none with --plain)"),
+           (memory.MemoryConfig, "memory_config", "memory (memory.MemoryConfig)"),
+           (baselines.BaselineConfig, "baseline_config",
+            "methods GRPO is compared with (baselines.BaselineConfig)")]
 
 
-def parse_args(argv=None) -> tuple[TrainConfig, grpo.GRPOConfig, ppo.PPOConfig]:
-    """Flags override the preset, which overrides the dataclass defaults. --resume DIR: DIR's saved
+def parse_args(argv=None) -> list:
+    """[TrainConfig, GRPOConfig, PPOConfig, EngineConfig, MemoryConfig, BaselineConfig]: flags
+    override the preset, which overrides the dataclass defaults. --resume DIR: DIR's saved
     settings, of which only RESUME_MAY_CHANGE may be changed (flags.parse_configs)."""
-    tcfg, gcfg, pcfg = flags.parse_configs(
+    tcfg, gcfg, pcfg, ecfg, mcfg, bcfg = configs = flags.parse_configs(
         argv, CONFIGS, PRESETS, RESUME_MAY_CHANGE, checkpoint.saved_state,
         choices={"preset": list(PRESETS), "compile": ["auto", "on", "off"],
                  "report_to": list(report.REPORT_TO), "template": list(gsm8k.TEMPLATES),
                  "warm_start_slip": list(tiny_world.SLIPS)},
         description="Train a causal LM with GRPO and report held-out accuracy before and after; "
                     "flags override --preset. Also: `plan --help` (fits a GPU?), `summarize DIRS`.")
-    if gcfg.baseline == "critic" and (tcfg.resume or tcfg.lora_r or gcfg.dynamic_sampling):
+    if bcfg.baseline == "critic" and (tcfg.resume or tcfg.lora_r or gcfg.dynamic_sampling):
         raise InputError("--baseline critic (PPO, ppo.py) trains every weight from the start: "
                          "not with --resume, --lora-r or --dynamic-sampling")
-    if gcfg.update_in_backward and gcfg.micro_batch_size < tcfg.prompts_per_step * gcfg.group_size:
+    if bcfg.baseline != "group" and gcfg.supervision == "process":
+        raise InputError("--supervision process sets its own baseline (§4.1.3): --baseline group")
+    if bcfg.surrogate == "cispo" and gcfg.loss_type != "token":
+        raise InputError("--surrogate cispo averages over tokens (MiniMax-M1): "
+                         "add --loss-type token")
+    if mcfg.update_in_backward and gcfg.micro_batch_size < tcfg.prompts_per_step * gcfg.group_size:
         raise InputError("--update-in-backward needs one micro-batch per update: --micro-batch-size"
                          " must be at least --prompts-per-step x --group-size")
-    return tcfg, gcfg, pcfg
+    if tcfg.plain and mcfg != memory.MemoryConfig():
+        raise InputError("--plain runs grpo.py's own code alone: drop the memory switches")
+    return configs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -172,10 +186,11 @@ def parse_args(argv=None) -> tuple[TrainConfig, grpo.GRPOConfig, ppo.PPOConfig]:
 # ----------------------------------------------------------------------------------------------
 def main(argv=None) -> dict:
     t_command = time.perf_counter()  # WHY: the whole command, warm-start build included
-    tcfg, gcfg, pcfg = parse_args(argv)
+    tcfg, gcfg, pcfg, ecfg, mcfg, bcfg = parse_args(argv)
     weights = gcfg.reward_weights or gsm8k.default_reward_weights(tcfg.template)
-    gcfg = dataclasses.replace(gcfg, reward_weights=weights, sampler=engine.sampler_for(
-        tcfg.compile, gcfg.sampler, tcfg.steps * gcfg.max_new_tokens))
+    gcfg = dataclasses.replace(gcfg, reward_weights=weights)
+    ecfg = dataclasses.replace(ecfg, sampler=engine.sampler_for(
+        ecfg.compile, ecfg.sampler, tcfg.steps * gcfg.max_new_tokens))
     import torch
     from tqdm.auto import tqdm
     torch.set_num_threads(tcfg.threads or torch.get_num_threads())
@@ -212,14 +227,25 @@ def main(argv=None) -> dict:
         optimizer = grpo.make_optimizer(policy, gcfg)
         state = checkpoint.new_state(model_name, tcfg.steps * tcfg.prompts_per_step)
         out.mkdir(parents=True, exist_ok=True)
-    configs = {key: dataclasses.asdict(c) for (_, key, _), c in zip(CONFIGS, (tcfg, gcfg, pcfg))}
+    configs = {key: dataclasses.asdict(c) for (_, key, _), c in
+               zip(CONFIGS, (tcfg, gcfg, pcfg, ecfg, mcfg, bcfg))}
     state.update(configs)
     log = report.RunLog(out, not tcfg.resume, tcfg.report_to, state, gcfg.num_iterations)
-    engine.enable_activation_checkpointing(policy, tcfg.gradient_checkpointing)
-    memory.lean_activations(policy.train(), tcfg.lean_activations)
+    # The method: GRPO (the page's seams), or one it is compared with, through the same seams.
     # PPO (--baseline critic) swaps in its step, which trains a value model beside the policy.
-    step_fn = ppo.Critic(policy, gcfg, pcfg) if gcfg.baseline == "critic" else grpo.grpo_step
-    engine.compile_layers(gcfg, policy, ref)  # with compiled decoding: the layers too
+    seams = baselines.apply(bcfg, grpo.Seams())
+    step_fn = ppo.Critic(policy, gcfg, pcfg) if bcfg.baseline == "critic" else grpo.grpo_step
+    # Applied from outside: speed and memory, each a switch; --plain: none, grpo.py's code alone.
+    if not tcfg.plain:
+        seams = engine.apply(ecfg, seams, grpo.eos_token_ids(policy, tokenizer),
+                             grpo.pad_token_id(policy, tokenizer))   # sampler, shared prompts
+        seams = memory.apply(mcfg, seams)             # chunked log-probs, AdamW inside backward
+        engine.enable_activation_checkpointing(policy, mcfg.gradient_checkpointing)
+        memory.lean_activations(policy, mcfg.lean_activations)
+        engine.compile_layers(ecfg, mcfg.update_in_backward, policy, ref)  # compiled decoding
+        if mcfg.return_freed_memory:
+            memory.return_freed_memory()  # NOTE: process-wide, and only when asked for
+    policy.train()
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=tcfg.bf16)
     n_params = sum(p.numel() for p in policy.parameters()) / 1e6
     tqdm.write(f"model: {model_name} ({n_params:.2f} M parameters) on {device}; data: {tcfg.data} "
@@ -228,7 +254,7 @@ def main(argv=None) -> dict:
     def evaluate(desc, rows=eval_rows):
         with autocast:
             return gsm8k.evaluate(policy, tokenizer, rows, gcfg, tcfg.system_prompt,
-                                  tcfg.eval_batch_size, desc, tcfg.template)
+                                  tcfg.eval_batch_size, desc, tcfg.template, seams.sample)
 
     t_start = time.perf_counter() - state["wall_seconds"]
     if not state["evals"]:
@@ -254,9 +280,10 @@ def main(argv=None) -> dict:
         rows = [train_rows[order[(i + (step - 1) * B) % len(order)]] for i in range(B)]
         prompts, columns = gsm8k.prompts_and_columns(tokenizer, rows, tcfg.system_prompt,
                                                      tcfg.template)
-        with autocast, memory.offloaded(tcfg.offload_activations):
+        with autocast, memory.offloaded(mcfg.offload_activations):
             m = step_fn(policy, ref, optimizer, tokenizer, prompts, reward_funcs, gcfg,
-                        columns=columns, return_samples=True, more_prompts=more_prompts)
+                        columns=columns, return_samples=True, more_prompts=more_prompts,
+                        seams=seams)
         samples, m = m.pop("samples"), {"step": step, **m}  # NOTE: left to right: no samples in m
         log.step(bar, m, samples, tcfg.steps, tcfg.sample_every, gcfg.group_size)
         if tcfg.eval_every and step % tcfg.eval_every == 0 and step < tcfg.steps:
