@@ -1,7 +1,8 @@
-"""The sampling engine (engine.py) against slow, obvious samplers: grpo.reference_decode (no KV
-cache, the whole sequence every step) and transformers' generate(). Token for token from the same
-seed, on a Llama with SDPA attention (the ready 4D mask), the same Llama on eager attention (the 2D
-mask) and a GPT-2 (absolute positions, so left padding must be handled); and every decode step's
+"""The speed machinery (engine.py) against the page's path (grpo.decode, grpo.token_logprobs) and
+slow, obvious samplers: uncached_decode below (no KV cache, the whole sequence every step) and
+transformers' generate(). grpo.decode itself is checked against uncached_decode. Token for token
+from the same seed, on a Llama with SDPA attention (the ready 4D mask), the same Llama on eager
+attention (the 2D mask) and a GPT-2 (absolute positions, so left padding must be handled); and every decode step's
 logits against one uncached forward pass.
 
 Needs: torch and transformers only (tiny random models built in memory). CPU, offline, ~15 s.
@@ -50,27 +51,64 @@ def model_for(arch, tiny):
     return model if arch == "llama" else tiny_gpt2(tok)
 
 
-def sample(model, tok, sampler, seed=0, greedy=False, **cfg):
+def uncached_decode(model, prompt_ids, prompt_mask, group_size, max_new_tokens, pick):
+    """The slow, obvious sampler: no KV cache, so step t runs the model over all P+t tokens so far;
+    grpo.decode's contract."""
+    ids = prompt_ids.repeat_interleave(group_size, 0)                                 # (N, P)
+    mask = prompt_mask.repeat_interleave(group_size, 0)                               # (N, P)
+    done = torch.zeros(ids.shape[0], dtype=torch.bool)                                # (N,)
+    tokens, logps = [], []
+    for t in range(max_new_tokens):
+        out = model(input_ids=ids, attention_mask=mask, use_cache=False,
+                    position_ids=(mask.cumsum(1) - 1).clamp(min=0))
+        next_ids, done, logp = pick(out.logits[:, -1, :].float(), t, done)
+        tokens.append(next_ids)
+        logps.append(logp)
+        ids = torch.cat([ids, next_ids[:, None]], dim=1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        if done.all():
+            break
+    return torch.stack(tokens, 1), torch.stack(logps, 1)
+
+
+DECODERS = {"plain": grpo.decode, "uncached": uncached_decode, "engine": engine.decode,
+            "compiled": engine.decode_compiled}
+
+
+def sampler(model, tok, name, min_new_tokens=0, sample_batch_size=0):
+    """The decode loop `name`, wrapped as engine.apply wraps it (EOS floor, batches)."""
+    decode = DECODERS[name]
+    if min_new_tokens:
+        decode = engine.at_least(decode, min_new_tokens, grpo.eos_token_ids(model, tok))
+    return engine.in_batches(decode, sample_batch_size, grpo.pad_token_id(model, tok))
+
+
+def sample(model, tok, name, seed=0, greedy=False, min_new_tokens=0, sample_batch_size=0, **cfg):
     """G = 4 completions of up to 24 tokens for each of PROMPTS (greedy: one each)."""
     torch.manual_seed(seed)
-    config = grpo.GRPOConfig(sampler=sampler, group_size=4, max_new_tokens=24, **cfg)
+    config = grpo.GRPOConfig(group_size=4, max_new_tokens=24, **cfg)
     return grpo.sample_completions(model, tok, PROMPTS, config, greedy=greedy,
-                                   group_size=1 if greedy else None)
+                                   group_size=1 if greedy else None,
+                                   sample=sampler(model, tok, name, min_new_tokens,
+                                                  sample_batch_size))
 
 
-# --- the engine draws exactly the reference sampler's tokens --------------------------------------
+# --- the engine draws exactly the page's tokens, and the page the uncached sampler's ---------------
+@pytest.mark.parametrize("pair", [("engine", "plain"), ("plain", "uncached")])
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("setting", [dict(temperature=0.7), dict(temperature=1.0),
                                      dict(greedy=True, min_new_tokens=10)],
                          ids=["t0.7", "t1.0", "greedy-floor"])
-def test_engine_draws_the_reference_samplers_tokens(tiny, arch, setting):
-    """Same seed, same settings: engine.decode and grpo.reference_decode give identical token ids,
-    masks, texts and truncation flags, for sampled (two temperatures) and greedy decoding with a
+def test_engine_draws_the_reference_samplers_tokens(tiny, arch, setting, pair):
+    """Same seed, same settings: engine.decode and grpo.decode (the page's), and grpo.decode and
+    uncached_decode, give identical token ids, masks, texts, truncation flags and (within float
+    tolerance) the sampler's log-probs, for sampled (two temperatures) and greedy decoding with a
     length floor. The draws are not trivial: the rows differ from each other."""
     tok, model = tiny[0], model_for(arch, tiny)
-    fast, slow = (sample(model, tok, s, **setting) for s in ("engine", "reference"))
+    fast, slow = (sample(model, tok, s, **setting) for s in pair)
     for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"):
         assert torch.equal(fast[key], slow[key]), key
+    torch.testing.assert_close(fast["sampler_logp"], slow["sampler_logp"], atol=1e-5, rtol=1e-5)
     assert fast["completions"] == slow["completions"]
     assert len(set(fast["completions"])) > 1
     assert fast["completion_ids"].shape[1] > 5
@@ -87,7 +125,7 @@ def assert_same_logits_as_the_reference(model, tok, sampler, monkeypatch):
         return real(logits, t, done, **kw)
 
     monkeypatch.setattr(grpo, "draw_tokens", spy)
-    for s in (sampler, "reference"):
+    for s in (sampler, "uncached"):
         seen.append([])
         sample(model, tok, s, temperature=0.7)
     fast, slow = seen
@@ -96,10 +134,11 @@ def assert_same_logits_as_the_reference(model, tok, sampler, monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["engine", "plain"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_engine_hands_draw_tokens_the_reference_logits(tiny, arch, monkeypatch):
-    """engine.decode's logits at every step are the reference sampler's."""
-    assert_same_logits_as_the_reference(model_for(arch, tiny), tiny[0], "engine", monkeypatch)
+def test_engine_hands_draw_tokens_the_reference_logits(tiny, arch, name, monkeypatch):
+    """engine.decode's and grpo.decode's logits at every step are the uncached sampler's."""
+    assert_same_logits_as_the_reference(model_for(arch, tiny), tiny[0], name, monkeypatch)
 
 
 def test_a_different_seed_draws_different_tokens(tiny):
@@ -114,40 +153,62 @@ def contains_a(completions, **kw):
     return [float("a" in c) for c in completions]
 
 
-def one_step(base, tok, sampler: str, checkpointing: bool = False, **config):
-    """One grpo_step with this sampler from a copy of base's weights, seed 0: (its metrics, the
-    step time left out, with the samples; the updated weights; how many layers were compiled).
-    With the 'compiled' sampler the decoder layers are compiled too, as train_gsm8k.py does."""
+def one_step(base, tok, sampler: str | None, checkpointing: bool = False,
+             update_in_backward: bool = False, **engine_config):
+    """One grpo_step from a copy of base's weights, seed 0, with engine.apply's seams for this
+    sampler (None: grpo.Seams(), the page alone): (its metrics, the step time left out, with the
+    samples; the updated weights; how many layers were compiled). As train_gsm8k.py does, the
+    'compiled' sampler compiles the decoder layers too."""
+    import memory
     policy = copy.deepcopy(base)
     if checkpointing:
         engine.enable_activation_checkpointing(policy)
     policy.train()
-    cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=12, lr=1e-2, sampler=sampler, **config)
+    cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=12, lr=1e-2,
+                          micro_batch_size=8 if update_in_backward else 16)
+    ecfg = engine.EngineConfig(sampler=sampler or "plain", **engine_config)
+    seams = grpo.Seams() if sampler is None else engine.apply(
+        ecfg, grpo.Seams(), grpo.eos_token_ids(policy, tok), grpo.pad_token_id(policy, tok))
+    seams = memory.apply(memory.MemoryConfig(update_in_backward=update_in_backward), seams)
     ref = grpo.make_reference(policy)
-    n_compiled = engine.compile_layers(cfg, policy, ref)
+    n_compiled = engine.compile_layers(ecfg, update_in_backward, policy, ref)
     torch.manual_seed(0)
     m = grpo.grpo_step(policy, ref, grpo.make_optimizer(policy, cfg), tok, ["Q1", "Q22"],
-                       [contains_a], cfg, return_samples=True)
+                       [contains_a], cfg, return_samples=True, seams=seams)
     m.pop("step_time")
     return m, policy.state_dict(), n_compiled
 
 
 def test_a_whole_grpo_step_is_the_same_with_either_sampler(tiny):
-    """One full grpo_step per sampler from the same seed and weights: every metric (but the time
-    and the sampler-trainer agreement), every logged sample and every updated weight are equal.
-    The agreement measures the sampler itself: the reference sampler scores each prefix with
-    the trainer's forward (0 on the Intel Xeon; ~2e-8 on the AMD EPYC, whose matmul kernels round
-    a (P+t)-long input differently from the whole sequence), the engine with its KV cache
-    (rounding, ~1e-8)."""
+    """One full grpo_step with the engine's sampler and one with the page's (grpo.Seams()), from
+    the same seed and weights, both scoring with the page's plain forward: every metric (but the
+    time and the sampler-trainer agreement), every logged sample and every updated weight are
+    equal. The agreement measures the sampler itself: both keep a KV cache (rounding, ~1e-8)."""
     tok, base = tiny
-    (m_fast, w_fast, _), (m_slow, w_slow, _) = (one_step(base, tok, s)
-                                                for s in ("engine", "reference"))
+    (m_fast, w_fast, _), (m_slow, w_slow, _) = (
+        one_step(base, tok, "engine", share_prompts=False), one_step(base, tok, None))
     gap = "sampling/logp_difference/mean"
     assert 0 <= m_slow[gap] < 1e-6 and 0 <= m_fast[gap] < 1e-6
     assert m_fast["sampling/ratio_outside_0.9_1.1"] == m_slow["sampling/ratio_outside_0.9_1.1"] == 0
     assert ({k: v for k, v in m_fast.items() if k != gap}
             == {k: v for k, v in m_slow.items() if k != gap}) and m_fast["reward_std"] > 0
     assert all(torch.equal(w_fast[k], w_slow[k]) for k in w_fast)
+
+
+def test_the_engines_whole_step_lands_where_the_pages_does(tiny):
+    """train_gsm8k.py's default machinery (engine.apply: the fast sampler and each prompt scored
+    once) against the page alone, one grpo_step from the same seed and weights: the same samples,
+    and every metric and updated weight within float tolerance (the shared prompt pass sums the
+    same products in another order)."""
+    tok, base = tiny
+    (fast, w_fast, _), (slow, w_slow, _) = one_step(base, tok, "engine"), one_step(base, tok, None)
+    assert [s["completion"] for s in fast["samples"]] == [s["completion"] for s in slow["samples"]]
+    assert slow["reward_std"] > 0 and slow["grad_norm"] > 0
+    for key in ("loss", "kl", "entropy", "grad_norm", "reward"):
+        assert fast[key] == pytest.approx(slow[key], rel=1e-4, abs=1e-6), key
+    assert any(not torch.equal(w_slow[k], base.state_dict()[k]) for k in w_slow)
+    for k in w_slow:
+        torch.testing.assert_close(w_fast[k], w_slow[k], atol=1e-4, rtol=1e-4)
 
 
 # --- the engine's shortcuts, pinned ---------------------------------------------------------------
@@ -174,9 +235,10 @@ def test_each_decode_step_sees_the_logits_of_a_full_forward(tiny, arch):
     seen = []
     hook = model.get_output_embeddings().register_forward_hook(
         lambda mod, inp, out: seen.append(out[:, -1].clone()))
-    cfg = grpo.GRPOConfig(group_size=2, max_new_tokens=8, min_new_tokens=8)
+    cfg = grpo.GRPOConfig(group_size=2, max_new_tokens=8)
     torch.manual_seed(0)
-    batch = grpo.sample_completions(model, tok, ["What is 2+3? Then add 17 and 45.", "Hi"], cfg)
+    batch = grpo.sample_completions(model, tok, ["What is 2+3? Then add 17 and 45.", "Hi"], cfg,
+                                    sample=sampler(model, tok, "engine", min_new_tokens=8))
     hook.remove()
     P, T = batch["prompt_ids"].shape[1], batch["completion_ids"].shape[1]
     assert len(seen) == T and (batch["prompt_mask"] == 0).sum() >= 2 * 25  # "Hi" behind 25+ pads
@@ -191,17 +253,18 @@ def test_each_decode_step_sees_the_logits_of_a_full_forward(tiny, arch):
 
 
 # --- both samplers against transformers' generate() -----------------------------------------------
-@pytest.mark.parametrize("sampler", ["engine", "reference"])
+@pytest.mark.parametrize("name", ["engine", "plain"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_sampling_distribution_is_the_one_the_loss_scores(tiny, arch, sampler):
+def test_sampling_distribution_is_the_one_the_loss_scores(tiny, arch, name):
     """Each sampler draws exactly the tokens transformers' generate() draws from the same seed, and
     the log-probs generate() sampled from (its processed scores, at temperature 0.7 and with no
     top-k) equal token_logprobs on the same left-padded sequences. This catches a hidden top_k=50,
     a temperature mismatch, and (on GPT-2) positions that differ between sampling and scoring."""
     tok, model = tiny[0], model_for(arch, tiny)
-    cfg = grpo.GRPOConfig(group_size=3, max_new_tokens=12, temperature=0.7, sampler=sampler)
+    cfg = grpo.GRPOConfig(group_size=3, max_new_tokens=12, temperature=0.7)
     torch.manual_seed(0)
-    batch = grpo.sample_completions(model, tok, ["What is 2+3?", "Hi"], cfg)
+    batch = grpo.sample_completions(model, tok, ["What is 2+3?", "Hi"], cfg,
+                                    sample=sampler(model, tok, name))
     torch.manual_seed(0)
     out = model.generate(input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"],
                          do_sample=True, temperature=0.7, top_k=0, top_p=1.0, max_new_tokens=12,
@@ -219,14 +282,14 @@ def test_sampling_distribution_is_the_one_the_loss_scores(tiny, arch, sampler):
     assert (rank.gather(-1, batch["completion_ids"][..., None]).squeeze(-1)[m] >= 50).any()
 
 
-@pytest.mark.parametrize("sampler", ["engine", "reference"])
+@pytest.mark.parametrize("name", ["engine", "plain"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_and_min_new_tokens_match_generate(tiny, arch, sampler):
+def test_greedy_and_min_new_tokens_match_generate(tiny, arch, name):
     """Greedy decoding with a length floor: each sampler and generate() give the same tokens."""
     tok, model = tiny[0], model_for(arch, tiny)
-    cfg = grpo.GRPOConfig(max_new_tokens=10, min_new_tokens=6, sampler=sampler)
+    cfg = grpo.GRPOConfig(max_new_tokens=10)
     batch = grpo.sample_completions(model, tok, ["What is 2+3?", "Hi"], cfg, greedy=True,
-                                    group_size=1)
+                                    group_size=1, sample=sampler(model, tok, name, 6))
     out = model.generate(input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"],
                          do_sample=False, max_new_tokens=10, min_new_tokens=6,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -264,7 +327,7 @@ def test_compiled_decoding_draws_the_reference_samplers_tokens(tiny, compiled_mo
     tok, model = tiny[0], compiled_models[arch]
     for setting in (dict(greedy=True, min_new_tokens=10), dict(temperature=0.7),
                     dict(temperature=1.0)):
-        fast, slow = (sample(model, tok, s, **setting) for s in ("compiled", "reference"))
+        fast, slow = (sample(model, tok, s, **setting) for s in ("compiled", "plain"))
         for key in ("completion_ids", "completion_mask", "truncated"):
             assert torch.equal(fast[key], slow[key]), (setting, key)
         assert fast["completions"] == slow["completions"]
@@ -274,7 +337,7 @@ def test_compiled_decoding_draws_the_reference_samplers_tokens(tiny, compiled_mo
     eos = model.generation_config.eos_token_id
     model.generation_config.eos_token_id = common  # three EOS ids, as chat models have several
     try:
-        fast, slow = (sample(model, tok, s, temperature=1.0) for s in ("compiled", "reference"))
+        fast, slow = (sample(model, tok, s, temperature=1.0) for s in ("compiled", "plain"))
     finally:
         model.generation_config.eos_token_id = eos
     assert torch.equal(fast["completion_ids"], slow["completion_ids"])
@@ -299,20 +362,22 @@ def test_a_second_step_with_other_prompt_lengths_does_not_recompile(tiny, capsys
     longer (within the bucket) runs the graph the first compiled, under torch's
     fail_on_recompile stance. A prompt past the bucket gets a wider cache: one new compile."""
     tok, model = tiny
-    cfg = grpo.GRPOConfig(sampler="compiled", group_size=2, max_new_tokens=6)
-    grpo.sample_completions(model, tok, ["What is 2+3?", "Hi"], cfg)                  # P = 12
+    cfg = grpo.GRPOConfig(group_size=2, max_new_tokens=6)
+    compiled = sampler(model, tok, "compiled")
+    grpo.sample_completions(model, tok, ["What is 2+3?", "Hi"], cfg, sample=compiled)  # P = 12
     _, first = engine._caches[model][(4, 6, torch.float32, torch.device("cpu"))]
     with torch.compiler.set_stance("fail_on_recompile"):
         for prompts in (["What is 2+3? Then add 17 and 45.", "Hi"], ["Q", "7*8"]):     # 32, 3
             before = engine.compile_seconds()
-            grpo.sample_completions(model, tok, prompts, cfg)
+            grpo.sample_completions(model, tok, prompts, cfg, sample=compiled)
             assert engine.compile_seconds() == before > 0
     no_fallback(capsys)
     assert first == engine.PROMPT_BUCKET
-    grpo.sample_completions(model, tok, ["x" * (engine.PROMPT_BUCKET + 1), "Hi"], cfg)  # wider
+    grpo.sample_completions(model, tok, ["x" * (engine.PROMPT_BUCKET + 1), "Hi"], cfg,
+                            sample=compiled)                                        # wider
     assert engine._caches[model][(4, 6, torch.float32, torch.device("cpu"))][1] == \
         2 * engine.PROMPT_BUCKET
-    grpo.sample_completions(model, tok, ["Hi", "Q"], cfg)  # short prompts fit the wider cache
+    grpo.sample_completions(model, tok, ["Hi", "Q"], cfg, sample=compiled)  # fit the wider cache
     no_fallback(capsys)
 
 
@@ -339,7 +404,7 @@ def test_compiled_decoding_falls_back_with_its_reason_printed_once(tiny, capsys,
 
     monkeypatch.setattr(engine, "compiled_step", lambda device_type: breaks_on_the_third_token)
     broken = copy.deepcopy(model)  # WHY a copy: the shared model must stay compilable for others
-    fast, slow = (sample(broken, tok, s) for s in ("compiled", "reference"))
+    fast, slow = (sample(broken, tok, s) for s in ("compiled", "plain"))
     assert len(calls) == 3 and torch.equal(fast["completion_ids"], slow["completion_ids"])
     assert "compiled decoding is off (RuntimeError: no C++ compiler found)" in \
         capsys.readouterr().err
@@ -353,7 +418,7 @@ def test_compile_auto_turns_on_where_the_decode_steps_pay_for_it():
     start (60 steps x 96 tokens = 5,760) stays eager; the Qwen preset (200 x 512 = 102,400)
     compiles.
     'on' and 'off' force it (off also turns a resumed run's 'compiled' back to 'engine'); auto
-    keeps a sampler chosen by name, and 'reference' always stays."""
+    keeps a sampler chosen by name, and 'plain' always stays."""
     assert engine.AUTO_COMPILE_DECODE_STEPS == 100_000
     assert engine.sampler_for("auto", "engine", 60 * 96) == "engine"
     assert engine.sampler_for("auto", "engine", 200 * 512) == "compiled"
@@ -361,10 +426,10 @@ def test_compile_auto_turns_on_where_the_decode_steps_pay_for_it():
     assert engine.sampler_for("auto", "engine", 99_999) == "engine"
     assert engine.sampler_for("on", "engine", 1) == "compiled"
     assert engine.sampler_for("off", "engine", 10**9) == "engine"
-    assert engine.sampler_for("on", "reference", 10**9) == "reference"
+    assert engine.sampler_for("on", "plain", 10**9) == "plain"
     assert engine.sampler_for("off", "compiled", 10**9) == "engine"
     assert engine.sampler_for("auto", "compiled", 1) == "compiled"
-    assert engine.sampler_for("off", "reference", 1) == "reference"
+    assert engine.sampler_for("off", "plain", 1) == "plain"
 
 
 @pytest.mark.parametrize("checkpointing,in_backward",
@@ -381,12 +446,12 @@ def test_compiled_layers_give_the_eager_step_within_float_tolerance(tiny, checkp
     is scored G times here (share_prompts=False): with it on, the layers are not compiled."""
     tok, base = tiny
     (fast, w_fast, n_fast), (slow, w_slow, n_slow) = (
-        one_step(base, tok, s, checkpointing, share_prompts=False,
-                 **({"update_in_backward": True} if fast else {}))
+        one_step(base, tok, s, checkpointing, fast, share_prompts=False)
         for s, fast in (("compiled", in_backward), ("engine", False)))
     assert (n_fast, n_slow) == (0 if in_backward else 4, 0)
     # NOTE: scoring each prompt once hands the layers a KV cache: they stay eager then.
-    assert engine.compile_layers(grpo.GRPOConfig(sampler="compiled"), copy.deepcopy(base)) == 0
+    assert engine.compile_layers(engine.EngineConfig(sampler="compiled"), False,
+                                 copy.deepcopy(base)) == 0
     assert [s["completion"] for s in fast["samples"]] == [s["completion"] for s in slow["samples"]]
     assert slow["reward_std"] > 0 and slow["grad_norm"] > 0
     for key in ("loss", "kl", "entropy", "grad_norm", "reward"):
@@ -399,10 +464,10 @@ def test_compiled_layers_give_the_eager_step_within_float_tolerance(tiny, checkp
         torch.testing.assert_close(w_fast[k], w_slow[k], atol=1e-4, rtol=1e-4)
 
 
-# --- sampling in batches (GRPOConfig.sample_batch_size) ------------------------------------------
-@pytest.mark.parametrize("sampler", ["engine", "reference"])
+# --- sampling in batches (EngineConfig.sample_batch_size) ----------------------------------------
+@pytest.mark.parametrize("name", ["engine", "plain"])
 @pytest.mark.parametrize("rows", [3, 5, 8], ids=["split-groups", "one-group-a-piece", "2-groups"])
-def test_sampling_in_batches_keeps_the_rows_in_their_groups(tiny, sampler, rows, monkeypatch):
+def test_sampling_in_batches_keeps_the_rows_in_their_groups(tiny, name, rows, monkeypatch):
     """sample_batch_size = rows: greedy decoding (every copy of a prompt alike) gives the same
     completions, masks, truncation flags and ids, pads included, as one batch, although the pieces
     stop at different lengths (one token made EOS); no decode call gets more than `rows`
@@ -412,20 +477,19 @@ def test_sampling_in_batches_keeps_the_rows_in_their_groups(tiny, sampler, rows,
     # WHY: the 4th token of prompt 0's greedy completion as EOS ends that group early
     monkeypatch.setattr(model.generation_config, "eos_token_id", [int(first[0, 3])])
     calls = []
-    real = engine.DECODERS.get(sampler, grpo.reference_decode)
 
     def spy(model, prompt_ids, prompt_mask, group_size, max_new_tokens, pick):
         calls.append(prompt_ids.shape[0] * group_size)
-        return real(model, prompt_ids, prompt_mask, group_size, max_new_tokens, pick)
+        return DECODERS[name](model, prompt_ids, prompt_mask, group_size, max_new_tokens, pick)
 
-    def greedy(**cfg):
-        config = grpo.GRPOConfig(sampler=sampler, group_size=4, max_new_tokens=24, **cfg)
-        return grpo.sample_completions(model, tok, PROMPTS, config, greedy=True)
+    def greedy(rows=0):
+        config = grpo.GRPOConfig(group_size=4, max_new_tokens=24)
+        return grpo.sample_completions(model, tok, PROMPTS, config, greedy=True,
+                                       sample=engine.in_batches(spy, rows, tok.pad_token_id))
 
     whole = greedy()
-    monkeypatch.setitem(engine.DECODERS, sampler, spy)
-    monkeypatch.setattr(grpo, "reference_decode", spy)
-    pieces = greedy(sample_batch_size=rows)
+    calls.clear()
+    pieces = greedy(rows)
     assert max(calls) <= rows and sum(calls) == 12 and len(calls) > 1
     for key in ("completion_ids", "completion_mask", "truncated", "prompt_ids"):
         assert torch.equal(pieces[key], whole[key]), key
@@ -468,33 +532,31 @@ def test_the_agreement_metric_sees_a_sampler_that_differs(tiny, monkeypatch):
                                                              1e-9)
 
 
-def test_eval_mode_restores_each_modules_own_mode_and_skips_transformers_train(tiny,
-                                                                              monkeypatch):
-    """Inside engine.eval_mode every module is in eval mode; after it, each module is back in the
-    mode it had, a submodule that was in eval mode stays there (model.train(True) would have
-    flipped it), and so it is after an error inside the block. transformers' own
-    PreTrainedModel.train (which re-selects hub kernels, the cost eval_mode avoids) is not
-    called."""
-    from transformers import PreTrainedModel
-    _, model = tiny
+def test_sampling_leaves_the_model_in_the_mode_it_found(tiny):
+    """grpo.sample_completions samples in eval mode (under gradient checkpointing, train mode turns
+    the KV cache off) and hands the model back in its own mode, after an error too."""
+    tok, model = tiny
     model = copy.deepcopy(model).train()
-    frozen = model.model.layers[0].mlp
-    frozen.eval()
-    before = {name: m.training for name, m in model.named_modules()}
-    assert before[""] and not before["model.layers.0.mlp"]
-    calls = []
-    monkeypatch.setattr(PreTrainedModel, "train", lambda self, mode=True: calls.append(mode))
-    with engine.eval_mode(model):
-        assert not any(m.training for m in model.modules())
-    assert {name: m.training for name, m in model.named_modules()} == before
+    modes = []
+
+    def spy(model, *args):
+        modes.append(model.training)
+        return grpo.decode(model, *args)
+
+    sample_kw = dict(cfg=grpo.GRPOConfig(max_new_tokens=3), sample=spy)
+    grpo.sample_completions(model, tok, ["Hi"], **sample_kw)
+    assert modes == [False] and model.training
+
+    def broken(*args):
+        raise RuntimeError("inside")
     with pytest.raises(RuntimeError, match="inside"):
-        with engine.eval_mode(model):
-            raise RuntimeError("inside")
-    assert {name: m.training for name, m in model.named_modules()} == before
-    assert calls == []
+        grpo.sample_completions(model, tok, ["Hi"], grpo.GRPOConfig(), sample=broken)
+    assert model.training and not model.eval().training
+    grpo.sample_completions(model, tok, ["Hi"], **sample_kw)
+    assert not model.training
 
 
-# --- scoring each prompt once (GRPOConfig.share_prompts) ----------------------------------------
+# --- scoring each prompt once (EngineConfig.share_prompts) ---------------------------------------
 def scored_batch(tok, G=3, T=9):
     """PROMPTS (3 lengths, left-padded) with G random completions of T tokens each, some of which
     end early: EOS, then pads and a zero mask, as sample_completions lays them out."""
@@ -519,7 +581,7 @@ def embedded_tokens(model):
 
 @pytest.mark.parametrize("arch", ["llama", "llama-eager", "gpt2", "qwen2"])
 def test_scoring_each_prompt_once_gives_the_whole_sequences_logprobs_and_gradient(tiny, arch):
-    """token_logprobs with share_prompts runs each of the 3 distinct prompts once and only the
+    """engine.shared_token_logprobs runs each of the 3 distinct prompts once and only the
     completions per row: the embedding sees 3 x (P-1) + 9 x T token ids instead of 9 x (P+T).
     Its log-probs and entropies (every position, before and after EOS) and the gradient of a
     masked, weighted sum of them equal the whole-sequence forward's within float tolerance (the
@@ -536,8 +598,8 @@ def test_scoring_each_prompt_once_gives_the_whole_sequences_logprobs_and_gradien
     for share in (False, True):
         seen.clear()
         model.zero_grad()
-        logp, entropy = grpo.token_logprobs(model, prompt_ids, prompt_mask, ids, mask, 0.7, True,
-                                            share_prompts=share)
+        score = engine.shared_token_logprobs if share else grpo.token_logprobs
+        logp, entropy = score(model, prompt_ids, prompt_mask, ids, mask, 0.7, True)
         (logp * weights).sum().backward()
         results[share] = (logp.detach(), entropy, [p.grad.clone() for p in model.parameters()],
                           sum(seen))
@@ -550,7 +612,7 @@ def test_scoring_each_prompt_once_gives_the_whole_sequences_logprobs_and_gradien
 
 
 def test_scoring_each_prompt_once_steps_aside_where_it_cannot_help_or_run(tiny):
-    """engine.shared_logits gives None, and token_logprobs then runs its whole-sequence
+    """engine.shared_logits gives None, and grpo.token_logprobs then runs its whole-sequence
     forward (the embedding sees n x (P+T) ids): when no two neighbouring rows share a prompt; in a
     training pass with gradient checkpointing, whose layers drop the KV cache; and for a sliding
     window. A no-gradient pass (π_ref) on a checkpointed model still shares."""
@@ -565,13 +627,12 @@ def test_scoring_each_prompt_once_steps_aside_where_it_cannot_help_or_run(tiny):
     checkpointed.train()
     assert "checkpointing" in engine.share_blocker(checkpointed)
     seen = embedded_tokens(checkpointed)
-    logp = grpo.token_logprobs(checkpointed, prompt_ids, prompt_mask, ids, mask,
-                               share_prompts=True)
+    logp = engine.shared_token_logprobs(checkpointed, prompt_ids, prompt_mask, ids, mask)
     assert seen == [n * (P + T)]
     torch.testing.assert_close(logp, grpo.token_logprobs(base, prompt_ids, prompt_mask, ids, mask))
     seen.clear()
     with torch.no_grad():
-        grpo.token_logprobs(checkpointed, prompt_ids, prompt_mask, ids, mask, share_prompts=True)
+        engine.shared_token_logprobs(checkpointed, prompt_ids, prompt_mask, ids, mask)
     assert sum(seen) == 3 * (P - 1) + n * T
     sliding = copy.deepcopy(base)
     sliding.config.sliding_window = 16
@@ -589,7 +650,7 @@ def test_a_frozen_reference_scores_shared_prompts_bit_for_bit_as_the_policy(tiny
     tok = tiny[0]
     policy = grpo.disable_dropout(copy.deepcopy(tiny[1])).train()
     inputs = scored_batch(tok)
-    logp, _ = grpo.token_logprobs(policy, *inputs, 1.0, True, 0, True)
+    logp, _ = engine.shared_token_logprobs(policy, *inputs, 1.0, True)
     with torch.no_grad():
-        ref = grpo.token_logprobs(grpo.make_reference(policy), *inputs, 1.0, False, 0, True)
+        ref = engine.shared_token_logprobs(grpo.make_reference(policy), *inputs, 1.0, False)
     assert torch.equal(logp, ref)
