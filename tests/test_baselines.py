@@ -46,7 +46,7 @@ def test_cispo_by_hand_keeps_the_gradient_ppo_drops():
     logp_old = torch.tensor([[-2.0 - 0.4054651]])                  # so r = exp(0.405) = 1.5
     logp = torch.tensor([[-2.0]], requires_grad=True)
     ratio = torch.exp(logp - logp_old)
-    s = baselines.cispo_surrogate(ratio, logp, torch.tensor([[1.0]]), 0.2)
+    s = baselines.cispo_surrogate(ratio, logp, torch.tensor([[1.0]]), 0.2, 0.2)
     s.sum().backward()
     assert torch.isclose(s, torch.tensor([[-2.4]])).all()
     assert torch.isclose(logp.grad, torch.tensor([[1.2]])).all()
@@ -66,9 +66,10 @@ def test_cispo_at_mu_1_has_grpo_token_level_gradient():
     mask[1, 3:] = 0
     A = torch.tensor([1.0, -1.0, 0.5, -0.5])
     grads, losses = [], []
-    for loss_type in ("token", "cispo"):
+    for surrogate in (None, baselines.cispo_surrogate):
         logp = base.clone().requires_grad_(True)
-        loss, _ = grpo.grpo_loss(logp, logp.detach(), None, A, mask, beta=0.0, loss_type=loss_type)
+        loss, _ = grpo.grpo_loss(logp, logp.detach(), None, A, mask, beta=0.0, loss_type="token",
+                                 surrogate=surrogate)
         loss.backward()
         grads.append(logp.grad)
         losses.append(loss.item())
@@ -78,24 +79,40 @@ def test_cispo_at_mu_1_has_grpo_token_level_gradient():
 
 def test_config_checks_the_baseline():
     with pytest.raises(ValueError, match="baseline must be one of"):
-        grpo.GRPOConfig(baseline="value_model")
-    with pytest.raises(ValueError, match="baseline must be 'group' under process supervision"):
-        grpo.GRPOConfig(baseline="none", supervision="process")
+        baselines.BaselineConfig(baseline="value_model")
+    with pytest.raises(ValueError, match="surrogate must be one of"):
+        baselines.BaselineConfig(surrogate="ppo")
+
+
+def test_grpo_is_the_pages_own_seams_and_each_method_takes_its_seam():
+    """GRPO's choices leave grpo.Seams() as it is (the page's own code runs); RLOO and REINFORCE
+    set the advantage seam, CISPO the surrogate seam; PPO's critic changes no seam (ppo.Critic
+    replaces the whole step)."""
+    assert baselines.apply(baselines.BaselineConfig(), grpo.Seams()) == grpo.Seams()
+    assert baselines.apply(baselines.BaselineConfig(baseline="critic"), grpo.Seams()) == \
+        grpo.Seams()
+    rloo = baselines.apply(baselines.BaselineConfig(baseline="leave_one_out"), grpo.Seams())
+    assert rloo.advantages is baselines.leave_one_out_advantages and rloo.surrogate is None
+    cispo = baselines.apply(baselines.BaselineConfig(surrogate="cispo"), grpo.Seams())
+    assert cispo.surrogate is baselines.cispo_surrogate and cispo.advantages is None
 
 
 @pytest.mark.parametrize("setting", [dict(baseline="leave_one_out"), dict(baseline="none"),
-                                     dict(loss_type="cispo", num_iterations=2)],
+                                     dict(surrogate="cispo")],
                          ids=["rloo", "reinforce", "cispo-mu2"])
 def test_a_grpo_step_runs_with_each(setting):
     """A whole step with each choice: finite metrics; the logged advantages are the choice's."""
     tok = tiny_world.char_tokenizer()
     policy = tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0)
-    cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=8, lr=1e-2, **setting)
+    cispo = setting.get("surrogate") == "cispo"
+    cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=8, lr=1e-2,
+                          **(dict(loss_type="token", num_iterations=2) if cispo else {}))
+    seams = baselines.apply(baselines.BaselineConfig(**setting), grpo.Seams())
     torch.manual_seed(0)
     m = grpo.grpo_step(policy, grpo.make_reference(policy), grpo.make_optimizer(policy, cfg), tok,
                        ["Q1", "Q22"], [lambda completions, **kw: [float("a" in c) + len(c) % 3
                                                                   for c in completions]],
-                       cfg, return_samples=True)
+                       cfg, return_samples=True, seams=seams)
     assert all(v == v for v in m.values() if isinstance(v, float))   # no NaN
     rewards = torch.tensor([s["reward"] for s in m["samples"]])
     A = torch.tensor([s["advantage"] for s in m["samples"]])

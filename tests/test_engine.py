@@ -2,8 +2,8 @@
 slow, obvious samplers: uncached_decode below (no KV cache, the whole sequence every step) and
 transformers' generate(). grpo.decode itself is checked against uncached_decode. Token for token
 from the same seed, on a Llama with SDPA attention (the ready 4D mask), the same Llama on eager
-attention (the 2D mask) and a GPT-2 (absolute positions, so left padding must be handled); and every decode step's
-logits against one uncached forward pass.
+attention (the 2D mask) and a GPT-2 (absolute positions, so left padding must be handled); and
+every decode step's logits against one uncached forward pass.
 
 Needs: torch and transformers only (tiny random models built in memory). CPU, offline, ~15 s.
 """
@@ -93,7 +93,7 @@ def sample(model, tok, name, seed=0, greedy=False, min_new_tokens=0, sample_batc
                                                   sample_batch_size))
 
 
-# --- the engine draws exactly the page's tokens, and the page the uncached sampler's ---------------
+# --- the engine draws exactly the page's tokens, and the page the uncached sampler's -------------
 @pytest.mark.parametrize("pair", [("engine", "plain"), ("plain", "uncached")])
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("setting", [dict(temperature=0.7), dict(temperature=1.0),

@@ -1,4 +1,4 @@
-"""memory.py's switches against the plain code: log-probs in chunks (GRPOConfig.logprob_chunk) and
+"""memory.py's switches against the page's path: log-probs in chunks (memory.chunked_scorer) and
 activations kept in CPU RAM (memory.offloaded) give the same log-probs, entropies, losses and
 gradients as grpo.token_logprobs and a plain backward, within float tolerance, on a Llama, a
 GPT-2 and a Qwen2, with and without gradient checkpointing and LoRA; and a whole grpo_step with
@@ -41,6 +41,17 @@ def inputs(b):
     return b["prompt_ids"], b["prompt_mask"], b["completion_ids"], b["completion_mask"]
 
 
+def score(model, *args, chunk=0):
+    """grpo.token_logprobs (the page's), or with chunk > 0 memory's chunked scorer (its seam)."""
+    return (memory.chunked_scorer(chunk) if chunk else grpo.token_logprobs)(model, *args)
+
+
+def seams_of(logprob_chunk=0, update_in_backward=False):
+    """grpo.Seams as train_gsm8k.py builds them from these memory switches."""
+    return memory.apply(memory.MemoryConfig(logprob_chunk=logprob_chunk,
+                                            update_in_backward=update_in_backward), grpo.Seams())
+
+
 def relative_errors(grads, exact):
     """{name: ‖grads[name] - exact[name]‖ / ‖exact[name]‖} over exact's parameters."""
     return {n: ((grads[n] - g).norm() / g.norm()).item() for n, g in exact.items()}
@@ -49,7 +60,7 @@ def relative_errors(grads, exact):
 def logp_and_grads(model, b, chunk, temperature=1.0):
     """(logp, entropy, every parameter's gradient) of a loss weighting each token differently."""
     model.zero_grad(set_to_none=True)
-    logp, entropy = grpo.token_logprobs(model, *inputs(b), temperature, True, chunk)
+    logp, entropy = score(model, *inputs(b), temperature, True, chunk=chunk)
     w = torch.linspace(-1, 2, logp.numel()).view_as(logp)                           # (N, T)
     (logp * w * b["completion_mask"]).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -80,7 +91,7 @@ def backward_peak(model, b, chunk):
     every parameter's gradient."""
     from torch.profiler import ProfilerActivity, profile
     model.zero_grad(set_to_none=True)
-    logp = grpo.token_logprobs(model, *b, 1.0, False, chunk)                          # (n, T)
+    logp = score(model, *b, 1.0, False, chunk=chunk)                                  # (n, T)
     w = torch.linspace(-1, 2, logp.numel()).view_as(logp)                             # (n, T)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         (logp * w).sum().backward()
@@ -167,10 +178,10 @@ def test_chunked_logprobs_without_gradients_and_a_wrong_offset_fails():
     b = batch_of(model, tok)
     with torch.no_grad():
         want = grpo.token_logprobs(model, *inputs(b))
-        got = grpo.token_logprobs(model, *inputs(b), chunk=5)
+        got = score(model, *inputs(b), chunk=5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        late = grpo.token_logprobs(model, b["prompt_ids"][:, :-1], b["prompt_mask"][:, :-1],
-                                   *inputs(b)[2:], chunk=5)
+        late = score(model, b["prompt_ids"][:, :-1], b["prompt_mask"][:, :-1], *inputs(b)[2:],
+                     chunk=5)
     assert not torch.allclose(late, want, atol=1e-3)
 
 
@@ -195,7 +206,7 @@ def test_chunked_logprobs_with_gradient_checkpointing_and_lora():
     ref = lora.AdaptersOff(policy)
     with torch.no_grad():
         off_plain = grpo.token_logprobs(ref, *inputs(b))
-        off_chunked = grpo.token_logprobs(ref, *inputs(b), chunk=4)
+        off_chunked = score(ref, *inputs(b), chunk=4)
     torch.testing.assert_close(off_chunked, off_plain, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(off_plain, want[0], atol=1e-3)  # the adapters were really off
 
@@ -209,11 +220,12 @@ def test_a_whole_step_with_chunks_lands_on_the_same_weights():
     for chunk in (0, 5):
         policy = copy.deepcopy(start)
         cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=8, num_iterations=2, lr=1e-2,
-                              micro_batch_size=5, logprob_chunk=chunk)
+                              micro_batch_size=5)
         torch.manual_seed(1)
         m = grpo.grpo_step(policy, grpo.make_reference(policy), grpo.make_optimizer(policy, cfg),
                            tok, PROMPTS, [lambda completions, **_: [len(c) % 3 for c in
-                                                                   completions]], cfg)
+                                                                   completions]], cfg,
+                           seams=seams_of(logprob_chunk=chunk))
         after.append((m, torch.cat([p.detach().flatten() for p in policy.parameters()])))
     (m0, w0), (m1, w1) = after
     assert m0["reward"] == m1["reward"]
@@ -261,23 +273,25 @@ def test_offloaded_activations_give_the_same_gradients_and_are_really_offloaded(
 
 def test_logprob_chunk_must_not_be_negative():
     with pytest.raises(ValueError, match="logprob_chunk must be >= 0"):
-        grpo.GRPOConfig(logprob_chunk=-1)
+        memory.MemoryConfig(logprob_chunk=-1)
 
 
 def length_reward(completions, **_):
     return [len(c) % 3 for c in completions]
 
 
-def two_steps(start, tok, update_in_backward, checkpointing=False, **kw):
+def two_steps(start, tok, update_in_backward, checkpointing=False, logprob_chunk=0, **kw):
     """Two grpo_steps (μ = 2, so four AdamW steps) from `start`: (metrics, weights, AdamW state)."""
     policy = grpo.disable_dropout(copy.deepcopy(start))
     if checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=8, num_iterations=2, lr=1e-2,
-                          micro_batch_size=12, update_in_backward=update_in_backward, **kw)
+                          micro_batch_size=12, **kw)
     ref, opt = grpo.make_reference(policy), grpo.make_optimizer(policy, cfg)
+    seams = seams_of(logprob_chunk, update_in_backward)
     torch.manual_seed(1)
-    ms = [grpo.grpo_step(policy, ref, opt, tok, PROMPTS, [length_reward], cfg) for _ in range(2)]
+    ms = [grpo.grpo_step(policy, ref, opt, tok, PROMPTS, [length_reward], cfg, seams=seams)
+          for _ in range(2)]
     state = [opt.state[p][k] for p in policy.parameters()
              for k in ("exp_avg", "exp_avg_sq", "step")]
     return ms, [p.detach().clone() for p in policy.parameters()], state
@@ -292,7 +306,7 @@ def two_steps(start, tok, update_in_backward, checkpointing=False, **kw):
     ("llama", dict(max_grad_norm=0.05, logprob_chunk=5, checkpointing=True)),
 ])
 def test_stepping_inside_backward_lands_on_the_same_weights_and_state(arch, kw):
-    """memory.step_in_backward (GRPOConfig.update_in_backward) against backward, clip_grad_norm_
+    """memory.step_in_backward (MemoryConfig.update_in_backward) against backward, clip_grad_norm_
     and AdamW's step: two grpo_steps at μ = 2 give the same rewards, gradient norms and losses,
     and bit for bit the same weights, AdamW moments and step counts. The same arithmetic in the
     same order, only at other moments, so nothing may differ, not even in the last bit."""
@@ -337,9 +351,9 @@ def test_inside_backward_at_most_one_gradient_exists_at_a_time():
     assert all(opt.state[p]["step"] == 1 for p in params)
 
 
-def test_step_in_backward_asks_glibc_to_give_memory_back(monkeypatch):
-    """step_in_backward calls memory.return_freed_memory once per update (conftest.py turns the
-    real one off in this process; test_return_freed_memory_... checks what it does)."""
+def test_step_in_backward_never_sets_the_process_wide_glibc_setting(monkeypatch):
+    """The glibc setting is process-wide, so only its own switch turns it on
+    (MemoryConfig.return_freed_memory); stepping inside backward does not call it."""
     calls = []
     monkeypatch.setattr(memory, "return_freed_memory", lambda: calls.append(1))
     tok = tiny_world.char_tokenizer()
@@ -348,7 +362,9 @@ def test_step_in_backward_asks_glibc_to_give_memory_back(monkeypatch):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     memory.step_in_backward(model.parameters(), opt,
                             grpo.token_logprobs(model, *inputs(b), 1.0, False).sum(), 1.0)
-    assert calls == [1]
+    memory.step_inside_backward(model, opt, iter([grpo.token_logprobs(model, *inputs(b)).sum()]),
+                                1.0)
+    assert calls == []
 
 
 def test_a_non_finite_loss_inside_backward_moves_nothing():
@@ -367,19 +383,18 @@ def test_a_non_finite_loss_inside_backward_moves_nothing():
 def test_update_in_backward_with_more_than_one_micro_batch_is_refused():
     tok = tiny_world.char_tokenizer()
     policy = model_for("llama", tok)
-    cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=4, micro_batch_size=5, beta=0.0,
-                          update_in_backward=True)
-    with pytest.raises(ValueError, match=r"in one micro-batch, got 3: raise micro_batch_size"):
+    cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=4, micro_batch_size=5, beta=0.0)
+    with pytest.raises(ValueError, match=r"in one micro-batch: raise micro_batch_size"):
         grpo.grpo_step(policy, None, grpo.make_optimizer(policy, cfg), tok, PROMPTS,
-                       [length_reward], cfg)
+                       [length_reward], cfg, seams=seams_of(update_in_backward=True))
 
 
 def test_return_freed_memory_makes_glibc_give_freed_blocks_back():
     """In a fresh process: freeing a 16 MB tensor raises glibc's mmap threshold to 16 MB, so the
     next 2 MB blocks come from the heap, and freeing all but the last keeps their ~62 MB in RSS.
-    memory.return_freed_memory (which step_in_backward calls) gives that back at once ("after"),
-    and blocks freed after it leave RSS as they are freed ("on"). Linux with glibc only (the
-    function does nothing elsewhere). The three processes run at once; each reads its own RSS."""
+    memory.return_freed_memory (its own switch, MemoryConfig.return_freed_memory) gives that back
+    at once ("after"), and blocks freed after it leave RSS as they are freed ("on"). Linux with
+    glibc only (the function does nothing elsewhere). The three processes run at once; each reads its own RSS."""
     import os
     import platform
     import subprocess
