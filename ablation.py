@@ -54,7 +54,8 @@ VARIANTS = {
                 "process supervision (paper §4.1.3): calculator steps + final answer"),
     "beta0": (["--beta", "0"], "β = 0: no KL penalty, no reference model"),
     "mu2": (["--num-iterations", "2"], "μ = 2: two updates per batch of samples"),
-    "cispo_mu2": (["--loss-type", "cispo", "--clip-eps-high", "0.28", "--num-iterations", "2"],
+    "cispo_mu2": (["--surrogate", "cispo", "--loss-type", "token", "--clip-eps-high", "0.28",
+                   "--num-iterations", "2"],
                   "CISPO (arXiv 2506.13585): clipped, detached IS weight x log π, token mean, "
                   "ε_high 0.28, at μ = 2 (at μ = 1 its gradient is GRPO's token-level one)"),
     "sft_control": (None,

@@ -548,18 +548,10 @@ def grpo_loss(logp, logp_old, logp_ref, advantages, completion_mask, *, clip_eps
     ratio = torch.exp(log_ratio)                                                      # (N, T)
     surrogate = (surrogate or clipped_surrogate)(ratio, logp, A, clip_eps, clip_eps_high)  # (N, T)
 
-    # 6. PAPER: D_KL[π_θ||π_ref] = π_ref/π_θ - log(π_ref/π_θ) - 1        (eq. 4, Schulman's k3)
-    # NOTE: log(π_ref/π_θ) = ln 2 gives 2 - ln 2 - 1 = 0.3069; -ln 2 gives 0.5 + ln 2 - 1 = 0.1931.
-    # NOTE: k3 is an unbiased, always >= 0 estimate of the REVERSE KL(π_θ || π_ref) from tokens
-    #       sampled from π_θ (here π_old, equal to π_θ when μ = 1). It is in the loss, not the
-    #       reward.
-    if beta != 0:
-        log_ref_ratio = logp_ref - logp                                               # (N, T)
-        kl = torch.exp(log_ref_ratio) - log_ref_ratio - 1                             # (N, T)
-        per_token = -(surrogate - beta * kl)                                          # (N, T)
-    else:
-        kl = torch.zeros_like(logp)                                                   # (N, T)
-        per_token = -surrogate                                                        # (N, T)
+    # 6. The KL penalty (k3_kl), weighted by β; β = 0 needs no π_ref at all.
+    kl = k3_kl(logp, logp_ref) if beta != 0 else torch.zeros_like(logp)              # (N, T)
+    # PAPER: the per-token term of eq. 3, negated: we minimise -J
+    per_token = -(surrogate - beta * kl)                                              # (N, T)
 
     # 7. NOTE: per-sequence vs per-token averaging. 'grpo' gives every completion equal weight, so
     #       a token of a long completion weighs less than one of a short completion (a length bias,
@@ -575,6 +567,20 @@ def grpo_loss(logp, logp_old, logp_ref, advantages, completion_mask, *, clip_eps
         L = max_completion_length if max_completion_length is not None else mask.shape[1]
         loss = (per_token * mask).sum() / (mask.shape[0] * L)
     return loss, loss_stats(ratio, A, kl, mask, clip_eps, clip_eps_high)
+
+
+def k3_kl(logp, logp_ref):
+    """Step 6: the per-token KL estimate to the reference, logp and logp_ref (N, T) -> (N, T).
+
+    Example (test_k3_kl_hand_worked): log(π_ref/π_θ) = ln 2 gives 2 - ln 2 - 1 = 0.3069;
+    -ln 2 gives 0.5 + ln 2 - 1 = 0.1931.
+    NOTE: k3 is an unbiased, always >= 0 estimate of the REVERSE KL(π_θ || π_ref) from tokens
+          sampled from π_θ (here π_old, equal to π_θ when μ = 1). It is in the loss, not the
+          reward.
+    """
+    log_ref_ratio = logp_ref - logp                                                   # (N, T)
+    # PAPER: D_KL[π_θ||π_ref] = π_ref/π_θ - log(π_ref/π_θ) - 1        (eq. 4, Schulman's k3)
+    return torch.exp(log_ref_ratio) - log_ref_ratio - 1                               # (N, T)
 
 
 @torch.no_grad()
@@ -958,16 +964,14 @@ def merge_groups(parts: list[tuple[dict, list[int]]], G: int, pad_id: int) -> di
     out = {k: [b[k][r] for b, rs in rows for r in rs] for k in ("prompts", "completions")}
     out["columns"] = {k: [b["columns"][k][r] for b, rs in rows for r in rs]
                       for k in parts[0][0]["columns"]}
-    P, T = (max(b[k].shape[1] for b, _ in parts) for k in ("prompt_ids", "completion_ids"))
-    padding = {"prompt_ids": (P, "left", pad_id), "prompt_mask": (P, "left", 0),
-               "completion_ids": (T, "right", pad_id), "completion_mask": (T, "right", 0),
-               "advantages": (T, "right", 0.0), "sampler_logp": (T, "right", 0.0),
-               "rewards": None, "truncated": None}
-    for k, pad in padding.items():
+    # (key, pad on the left?, pad value); 1-D tensors (outcome advantages, rewards) need none
+    for k, left, value in [("prompt_ids", True, pad_id), ("prompt_mask", True, 0),
+                           ("completion_ids", False, pad_id), ("completion_mask", False, 0),
+                           ("advantages", False, 0.0), ("sampler_logp", False, 0.0),
+                           ("rewards", False, 0), ("truncated", False, 0)]:
         xs = [b[k][torch.tensor(rs, dtype=torch.long, device=b[k].device)] for b, rs in rows]
-        if pad is not None and xs[0].dim() == 2:  # WHY: outcome advantages are (n,), never padded
-            width, side, value = pad
-            fills = [x.new_full((x.shape[0], width - x.shape[1]), value) for x in xs]  # (n, gap)
-            xs = [torch.cat([f, x] if side == "left" else [x, f], dim=1) for x, f in zip(xs, fills)]
-        out[k] = torch.cat(xs)                                                        # (n_all, ...)
+        width = max(x.shape[-1] for x in xs)
+        out[k] = torch.cat([x if x.dim() == 1 else torch.nn.functional.pad(     # (n_all, ...)
+            x, (width - x.shape[1], 0) if left else (0, width - x.shape[1]), value=value)
+            for x in xs])
     return out

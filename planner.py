@@ -316,7 +316,8 @@ def load_config(name: str):
 
 def settings_of(gcfg, prompt_tokens: int, **run) -> StepSettings:
     """StepSettings from a grpo.GRPOConfig, the prompt length and the run's own settings
-    (train_gsm8k.py's TrainConfig fields, by the same names; any other name is ignored)."""
+    (train_gsm8k.py's TrainConfig, EngineConfig and MemoryConfig fields, by the same names; any
+    other name is ignored)."""
     given = {**run, **asdict(gcfg), "prompt_tokens": prompt_tokens}
     return StepSettings(**{k: given[k] for k in StepSettings.__dataclass_fields__ if k in given})
 
@@ -389,7 +390,7 @@ def plan_command(argv: list[str], parse_args) -> dict:
         raise InputError(f"--gpu-gb must be > 0 (the card's memory in GiB), got {a.gpu_gb:g}")
     if a.prompt_tokens < 1:
         raise InputError(f"--prompt-tokens must be >= 1, got {a.prompt_tokens}")
-    tcfg, gcfg, _ = parse_args(rest)
+    tcfg, gcfg, _, ecfg, mcfg, _ = parse_args(rest)
     if tcfg.model:
         name, config = tcfg.model, load_config(tcfg.model)
     else:  # the tiny world's model, as tiny_world.warm_start builds it
@@ -398,7 +399,8 @@ def plan_command(argv: list[str], parse_args) -> dict:
         name = "the tiny world's model"
         config = tiny_world.tiny_llama(tiny_world.char_tokenizer(), hidden=ws.hidden,
                                        layers=ws.layers, heads=ws.heads).config
-    shape, s = model_shape(config), settings_of(gcfg, a.prompt_tokens, **asdict(tcfg))
+    shape, s = model_shape(config), settings_of(gcfg, a.prompt_tokens, **asdict(tcfg),
+                                                **asdict(ecfg), **asdict(mcfg))
     res = plan(shape, s, a.gpu_gb)
     out = {"model": name, "gpu_gb": a.gpu_gb, "cuda_reserve_bytes": CUDA_RESERVE,
            "parameters": shape.params, "settings": asdict(s),

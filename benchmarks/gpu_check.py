@@ -6,8 +6,8 @@ benchmarks/gpu_check.py -- the decoding checks of benchmarks/gpu_check.sh, one J
     python benchmarks/gpu_check.py speed --device cuda --arch qwen2.5-0.5b --bf16   # ms a token
     python benchmarks/gpu_check.py lora-step --device cuda    # 7B + LoRA step, against the plan
 
-tokens: tiny random Llama and Qwen2 models in fp32 on the device. The reference sampler (no KV
-    cache), engine.decode and engine.decode_compiled (on CUDA: CUDA graphs) sample from one seed;
+tokens: tiny random Llama and Qwen2 models in fp32 on the device. The page's sampler (grpo.decode),
+    engine.decode and engine.decode_compiled (on CUDA: CUDA graphs) sample from one seed;
     the line says whether each drew exactly the reference's tokens and whether compiled decoding
     fell back. Not asserted: on a GPU, kernels that differ between a cached and an uncached pass
     may round differently, and a flipped draw is then possible, if rare.
@@ -47,18 +47,28 @@ def machine(device: str) -> dict:
             "cuda": torch.version.cuda if on_gpu else None}
 
 
+def sampler_of(name: str, model, tok, min_new_tokens: int = 0):
+    """EngineConfig.sampler `name`'s decode loop, as train_gsm8k.py hands it to grpo.py."""
+    import engine
+    import grpo
+    cfg = engine.EngineConfig(sampler=name, min_new_tokens=min_new_tokens)
+    return engine.apply(cfg, grpo.Seams(), grpo.eos_token_ids(model, tok),
+                        grpo.pad_token_id(model, tok)).sample
+
+
 def sample_all(model, tok, device: str, cfg_kw: dict) -> dict:
     """Each sampler's completion ids from seed 0, and whether decode_compiled fell back."""
     import grpo
     prompts = ["What is 2+3? Then add 17 and 45.", "Hi", "Q: 7*8"]
     out, err = {}, io.StringIO()
-    for sampler in ("reference", "engine", "compiled"):
+    for sampler in ("plain", "engine", "compiled"):
         torch_seed(0, device)
-        cfg = grpo.GRPOConfig(sampler=sampler, group_size=4, max_new_tokens=24, **cfg_kw)
+        cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=24, **cfg_kw)
         with contextlib.redirect_stderr(err):
-            out[sampler] = grpo.sample_completions(model, tok, prompts, cfg)["completion_ids"]
-    return {"engine_equal": bool((out["engine"] == out["reference"]).all()),
-            "compiled_equal": bool((out["compiled"] == out["reference"]).all()),
+            out[sampler] = grpo.sample_completions(
+                model, tok, prompts, cfg, sample=sampler_of(sampler, model, tok))["completion_ids"]
+    return {"engine_equal": bool((out["engine"] == out["plain"]).all()),
+            "compiled_equal": bool((out["compiled"] == out["plain"]).all()),
             "fell_back": "compiled decoding is off" in err.getvalue()}
 
 
@@ -99,15 +109,15 @@ def speed(device: str, arch: str, bf16: bool, group_size: int, prompts: int, n_t
            "precision": "bf16 autocast" if bf16 else "fp32",
            "work": f"G={group_size} x {prompts} prompts, {n_tokens} forced tokens"}
     for sampler in ("engine", "compiled"):
-        cfg = grpo.GRPOConfig(sampler=sampler, group_size=group_size, max_new_tokens=n_tokens,
-                              min_new_tokens=n_tokens)
+        cfg = grpo.GRPOConfig(group_size=group_size, max_new_tokens=n_tokens)
+        sample = sampler_of(sampler, model, tok, n_tokens)
         before = engine.compile_seconds()
         times = []
         for _ in range(repeats + 1):
             sync(device)
             t = time.perf_counter()
             with autocast:
-                grpo.sample_completions(model, tok, texts, cfg)
+                grpo.sample_completions(model, tok, texts, cfg, sample=sample)
             sync(device)
             times.append(time.perf_counter() - t)
         res[f"{sampler}_ms_per_token"] = 1000 * statistics.median(times[1:]) / n_tokens
@@ -148,8 +158,10 @@ def lora_step(device: str, config_path: str, group_size: int, prompts: int, n_to
     engine.enable_activation_checkpointing(policy)
     policy.train()
     cfg = grpo.GRPOConfig(group_size=group_size, max_new_tokens=n_tokens,
-                          min_new_tokens=n_tokens, micro_batch_size=min(8, group_size * prompts),
-                          lr=1e-5, logprob_chunk=1024, sampler="engine")
+                          micro_batch_size=min(8, group_size * prompts), lr=1e-5)
+    import memory  # the machinery, applied from outside grpo.py as train_gsm8k.py applies it
+    seams = memory.apply(memory.MemoryConfig(logprob_chunk=1024), grpo.Seams(
+        sample=sampler_of("engine", policy, tok, n_tokens)))
     rows = rows_for(prompts)
     opt = grpo.make_optimizer(policy, cfg)
     if on_gpu:
@@ -157,11 +169,12 @@ def lora_step(device: str, config_path: str, group_size: int, prompts: int, n_to
     with torch.autocast(device.split(":")[0], dtype=torch.bfloat16):
         m = grpo.grpo_step(policy, lora.AdaptersOff(policy), opt, tok,
                            [r["prompt"] for r in rows], [rewards.correctness_reward], cfg,
-                           columns={"answer": [r["answer"] for r in rows]})
+                           columns={"answer": [r["answer"] for r in rows]}, seams=seams)
     sync(device)
     prompt_tokens = planner.prompt_tokens_of(tok, [r["prompt"] for r in rows])
     settings = planner.settings_of(cfg, prompt_tokens, prompts_per_step=prompts, bf16=True,
-                                   gradient_checkpointing=True, lora_r=16)
+                                   gradient_checkpointing=True, lora_r=16, logprob_chunk=1024,
+                                   share_prompts=False)
     plan = planner.step_memory(planner.model_shape(config), settings)
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if on_gpu else None
     trainable, params = lora.trainable_share(policy)

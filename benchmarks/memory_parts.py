@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -81,14 +82,20 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
                                                                        dtype=torch.float32))
     if lora_r:  # as train_gsm8k.py --lora-r does it
         policy = lora.add_adapters(policy, lora_r, 2 * lora_r)
-    if gradient_checkpointing:
-        engine.enable_activation_checkpointing(policy)
+    # The machinery, applied from outside grpo.py as train_gsm8k.py applies it.
+    mcfg = memory.MemoryConfig(logprob_chunk=logprob_chunk, update_in_backward=update_in_backward,
+                               gradient_checkpointing=gradient_checkpointing,
+                               lean_activations=lean_activations)
+    engine.enable_activation_checkpointing(policy, gradient_checkpointing)
     memory.lean_activations(policy.train(), lean_activations)
+    if update_in_backward:  # NOTE: as train_gsm8k.py --return-freed-memory (docs/memory.md)
+        memory.return_freed_memory()
     out["weights_mb"] = status_mb("VmRSS") - out["baseline_mb"]
-    cfg = grpo.GRPOConfig(group_size=group_size, max_new_tokens=tokens, min_new_tokens=tokens,
-                          beta=beta, lr=1e-4, micro_batch_size=prompts * group_size,
-                          sampler="engine", logprob_chunk=logprob_chunk, baseline=baseline,
-                          update_in_backward=update_in_backward, share_prompts=share_prompts)
+    cfg = grpo.GRPOConfig(group_size=group_size, max_new_tokens=tokens, beta=beta, lr=1e-4,
+                          micro_batch_size=prompts * group_size)
+    seams = memory.apply(mcfg, engine.apply(
+        engine.EngineConfig(share_prompts=share_prompts, min_new_tokens=tokens), grpo.Seams(),
+        grpo.eos_token_ids(policy, tok), grpo.pad_token_id(policy, tok)))
     before = status_mb("VmRSS")
     ref = (None if not beta else lora.AdaptersOff(policy) if lora_r
            else grpo.make_reference(policy))
@@ -112,12 +119,11 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
                 peaks[name] = max(peaks.get(name, 0.0), status_mb("VmHWM") - start[0])
         return wrapper
 
-    real = (grpo.sample_completions, grpo.fixed_logprobs, grpo.token_logprobs,
-            torch.Tensor.backward)
+    real = (grpo.sample_completions, grpo.fixed_logprobs, torch.Tensor.backward)
     grpo.sample_completions = phase("sampling", real[0])
     grpo.fixed_logprobs = phase("reference log-probs", real[1])
-    grpo.token_logprobs = phase("training forward", real[2])
-    torch.Tensor.backward = phase("backward", real[3])
+    seams = replace(seams, score=phase("training forward", seams.score or grpo.token_logprobs))
+    torch.Tensor.backward = phase("backward", real[2])
     if not update_in_backward:  # WHY: inside backward, a phase of its own would reset its peak
         opt.step = phase("optimizer step", opt.step)
     if critic:  # PPO: the value model's own AdamW step
@@ -133,10 +139,9 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
             batch = rows[step * prompts:(step + 1) * prompts]
             step_fn(policy, ref, opt, tok, [r["prompt"] for r in batch],
                     [rewards.correctness_reward], cfg,
-                    columns={"answer": [r["answer"] for r in batch]})
+                    columns={"answer": [r["answer"] for r in batch]}, seams=seams)
     finally:
-        (grpo.sample_completions, grpo.fixed_logprobs, grpo.token_logprobs,
-         torch.Tensor.backward) = real
+        grpo.sample_completions, grpo.fixed_logprobs, torch.Tensor.backward = real
     out["step_start_mb"] = start[0] - out["baseline_mb"]
     out["phases"] = {k: peaks.get(k, 0.0) for k in PHASES}
     out["peak_phase"] = max(out["phases"], key=out["phases"].get)
@@ -152,7 +157,8 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
     settings = planner.settings_of(cfg, prompt_tokens, prompts_per_step=prompts,
                                    gradient_checkpointing=gradient_checkpointing, lora_r=lora_r,
                                    update_in_backward=update_in_backward,
-                                   lean_activations=lean_activations)
+                                   lean_activations=lean_activations, logprob_chunk=logprob_chunk,
+                                   share_prompts=share_prompts)
     plan = planner.step_memory(planner.model_shape(lora.unwrap(policy).config), settings,
                                critic=critic is not None)
     out.update(planned_peak_mb=plan["peak"] / 2**20, planned_phase=plan["peak_phase"],
@@ -212,7 +218,7 @@ def main(argv=None):
                         "(memory.lean_activations)")
     p.add_argument("--no-share-prompts", dest="share_prompts", action="store_false",
                    help="score G whole sequences per prompt, not each prompt once "
-                        "(GRPOConfig.share_prompts)")
+                        "(EngineConfig.share_prompts)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--plan-check", metavar="SIZES",
                    help="measure planner.py's prediction against these sizes (comma-separated "

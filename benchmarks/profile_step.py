@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -72,7 +73,7 @@ def step_flops(model, prompt_lens, completion_lens, group_size: int, beta: float
     for P, T in zip(prompt_lens, completion_lens):                # decode: T - 1 more tokens
         flops += sum(2 * (body + lm) + attn * (P + t) for t in range(1, T))
     # NOTE: a scoring pass runs each distinct prompt once and each completion after it (the least
-    #       work, and what GRPOConfig.share_prompts does): T positions, contexts P+1 .. P+T.
+    #       work, and what EngineConfig.share_prompts does): T positions, contexts P+1 .. P+T.
     full = forward(firsts, [0] * len(firsts)) + sum(
         2 * (body + lm) * T + attn * (P * T + T * (T + 1) / 2)
         for P, T in zip(prompt_lens, completion_lens))
@@ -112,12 +113,14 @@ def profile(model_dir: str, group_size: int, prompts: int, tokens: int, steps: i
     tok = AutoTokenizer.from_pretrained(model_dir)
     policy = grpo.disable_dropout(AutoModelForCausalLM.from_pretrained(model_dir,
                                                                        dtype=torch.float32))
-    cfg = grpo.GRPOConfig(group_size=group_size, max_new_tokens=tokens, min_new_tokens=tokens,
-                          beta=beta,
+    cfg = grpo.GRPOConfig(group_size=group_size, max_new_tokens=tokens, beta=beta,
                           num_iterations=num_iterations, lr=1e-4,
-                          micro_batch_size=prompts * group_size, sampler=sampler)
+                          micro_batch_size=prompts * group_size)
+    ecfg = engine.EngineConfig(sampler=sampler, min_new_tokens=tokens)
+    seams = engine.apply(ecfg, grpo.Seams(), grpo.eos_token_ids(policy, tok),
+                         grpo.pad_token_id(policy, tok))   # as train_gsm8k.py applies it
     ref = grpo.make_reference(policy) if beta else None
-    engine.compile_layers(cfg, policy, ref)  # --compile on: as train_gsm8k.py does it
+    engine.compile_layers(ecfg, False, policy, ref)  # --compile on: as train_gsm8k.py does it
     opt = grpo.make_optimizer(policy, cfg)
 
     spent = dict.fromkeys(PARTS, 0.0)
@@ -132,8 +135,7 @@ def profile(model_dir: str, group_size: int, prompts: int, tokens: int, steps: i
                 spent[key] += time.perf_counter() - t
         return wrapper
 
-    real_sample, real_logprobs = grpo.sample_completions, grpo.token_logprobs
-    real_loss = grpo.grpo_loss
+    real_sample, real_loss = grpo.sample_completions, grpo.grpo_loss
     lengths = []
 
     def sample_and_count(*args, **kwargs):  # also keeps each row's real prompt and output length
@@ -143,9 +145,9 @@ def profile(model_dir: str, group_size: int, prompts: int, tokens: int, steps: i
         return batch
 
     grpo.sample_completions = timed("generation", sample_and_count)
-    grpo.token_logprobs = timed(
+    seams = dataclasses.replace(seams, score=timed(
         lambda *a: "train fwd+bwd" if torch.is_grad_enabled() else "no-grad log-probs",
-        real_logprobs)
+        seams.score or grpo.token_logprobs))
     grpo.grpo_loss = timed("train fwd+bwd", real_loss)
     opt.step = timed("optimizer", opt.step)
     opt.zero_grad = timed("optimizer", opt.zero_grad)
@@ -163,7 +165,7 @@ def profile(model_dir: str, group_size: int, prompts: int, tokens: int, steps: i
             t = time.perf_counter()
             grpo.grpo_step(policy, ref, opt, tok, [r["prompt"] for r in batch],
                            [rewards.correctness_reward], cfg,
-                           columns={"answer": [r["answer"] for r in batch]})
+                           columns={"answer": [r["answer"] for r in batch]}, seams=seams)
             total = time.perf_counter() - t
             if step >= warmup:
                 for k in PARTS[:-1]:
@@ -173,7 +175,7 @@ def profile(model_dir: str, group_size: int, prompts: int, tokens: int, steps: i
                 per_step["flops"].append(step_flops(policy, *lengths[-1], group_size, beta,
                                                     num_iterations))
     finally:
-        grpo.sample_completions, grpo.token_logprobs = real_sample, real_logprobs
+        grpo.sample_completions = real_sample
         grpo.grpo_loss = real_loss
         torch.Tensor.backward = real_backward
     out = {k: statistics.median(v) for k, v in per_step.items()}
@@ -237,7 +239,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     import grpo
     try:  # the worker's config, built once here so a bad value is GRPOConfig's one-line error
-        grpo.GRPOConfig(group_size=a.group_size, max_new_tokens=a.tokens, min_new_tokens=a.tokens)
+        grpo.GRPOConfig(group_size=a.group_size, max_new_tokens=a.tokens)
     except ValueError as e:
         p.error(str(e))
     if a.steps < 1 or a.warmup < 0 or a.repeats < 1:

@@ -112,17 +112,20 @@ def sync(device: str):
 # The two workers. Each runs --steps steps and prints one JSON line: step times and peak RSS.
 # ----------------------------------------------------------------------------------------------
 def grpo_config(a):
-    """Our side's config; main() also builds it first, so a bad value is GRPOConfig's one-line
-    error."""
+    """Our side's configs (GRPO, engine, memory); main() also builds them first, so a bad value
+    is a config's one-line error."""
     import engine
     import grpo
-    return grpo.GRPOConfig(group_size=a.group_size, max_new_tokens=a.tokens,
-                           min_new_tokens=a.tokens, beta=a.beta,
-                           num_iterations=a.num_iterations, lr=a.lr,
-                           micro_batch_size=a.prompts * a.group_size,
-                           sampler=engine.sampler_for(a.compile, "engine", 0),
-                           update_in_backward=a.update_in_backward,
-                           logprob_chunk=a.logprob_chunk, share_prompts=a.share_prompts)
+    import memory
+    return (grpo.GRPOConfig(group_size=a.group_size, max_new_tokens=a.tokens, beta=a.beta,
+                            num_iterations=a.num_iterations, lr=a.lr,
+                            micro_batch_size=a.prompts * a.group_size),
+            engine.EngineConfig(sampler=engine.sampler_for(a.compile, "engine", 0),
+                                share_prompts=a.share_prompts, min_new_tokens=a.tokens),
+            memory.MemoryConfig(update_in_backward=a.update_in_backward,
+                                logprob_chunk=a.logprob_chunk,
+                                lean_activations=a.lean_activations,
+                                gradient_checkpointing=a.gradient_checkpointing))
 
 
 def max_dropout(model) -> float:
@@ -134,11 +137,11 @@ def max_dropout(model) -> float:
     return max(ps, default=0.0)
 
 
-def our_settings(a, cfg, policy) -> dict:
+def our_settings(a, cfg, ecfg, policy) -> dict:
     """What our side effectively runs with, in the vocabulary both sides share (trl_settings)."""
     import engine
     return {"group_size": cfg.group_size, "completions_per_step": a.prompts * cfg.group_size,
-            "max_new_tokens": cfg.max_new_tokens, "min_new_tokens": cfg.min_new_tokens,
+            "max_new_tokens": cfg.max_new_tokens, "min_new_tokens": ecfg.min_new_tokens,
             "temperature": cfg.temperature,
             # NOTE: grpo.draw_tokens has no top-k or top-p at all: these are its fixed values.
             "top_k": 0, "top_p": 1.0,
@@ -186,12 +189,18 @@ def run_ours(a) -> dict:
     policy = grpo.disable_dropout(AutoModelForCausalLM.from_pretrained(a.model_dir,
                                                                        dtype=torch.float32))
     policy = policy.to(a.device)
-    if a.gradient_checkpointing:  # as train_gsm8k.py --gradient-checkpointing does it
-        engine.enable_activation_checkpointing(policy)
-    memory.lean_activations(policy.train(), a.lean_activations)  # as train_gsm8k.py does it
-    cfg = grpo_config(a)
+    cfg, ecfg, mcfg = grpo_config(a)
     ref = grpo.make_reference(policy) if a.beta else None
-    engine.compile_layers(cfg, policy, ref)  # --compile on: as train_gsm8k.py does it
+    # The machinery, applied from outside grpo.py as train_gsm8k.py applies it.
+    seams = memory.apply(mcfg, engine.apply(ecfg, grpo.Seams(), grpo.eos_token_ids(policy, tok),
+                                            grpo.pad_token_id(policy, tok)))
+    engine.enable_activation_checkpointing(policy, mcfg.gradient_checkpointing)
+    memory.lean_activations(policy.train(), mcfg.lean_activations)
+    engine.compile_layers(ecfg, mcfg.update_in_backward, policy, ref)  # --compile on
+    if mcfg.update_in_backward:
+        # NOTE: as before this switch had its own flag, stepping inside backward runs with glibc
+        #       giving freed blocks back (docs/memory.md); train_gsm8k.py: --return-freed-memory.
+        memory.return_freed_memory()
     opt = grpo.make_optimizer(policy, cfg)
     rows = rows_for(a.steps * a.prompts)
     # WHY: fp32 weights with bf16 autocast, as train_gsm8k.py --bf16 and TRL's bf16=True both do.
@@ -205,10 +214,10 @@ def run_ours(a) -> dict:
         with autocast:
             grpo.grpo_step(policy, ref, opt, tok, [r["prompt"] for r in batch],
                            [rewards.correctness_reward], cfg,
-                           columns={"answer": [r["answer"] for r in batch]})
+                           columns={"answer": [r["answer"] for r in batch]}, seams=seams)
         sync(a.device)
         times.append(time.perf_counter() - t)
-    return {"step_times": times, **peaks(a.device), "settings": our_settings(a, cfg, policy),
+    return {"step_times": times, **peaks(a.device), "settings": our_settings(a, cfg, ecfg, policy),
             "compile_s": engine.compile_seconds()}
 
 
@@ -326,7 +335,7 @@ def main(argv=None):
                         "backward and recompute the rest (memory.lean_activations; default off)")
     p.add_argument("--no-share-prompts", dest="share_prompts", action="store_false",
                    help="our side only: score G whole sequences per prompt, the prompt G times, "
-                        "instead of each prompt once (GRPOConfig.share_prompts; default: once)")
+                        "instead of each prompt once (EngineConfig.share_prompts; default: once)")
     p.add_argument("--malloc-mmap-threshold", type=int, default=0, metavar="BYTES",
                    help="both sides: glibc gives freed blocks over BYTES back to the system "
                         "(MALLOC_MMAP_THRESHOLD_), so peak RSS follows live tensors rather than "

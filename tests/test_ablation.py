@@ -64,4 +64,4 @@ def test_compare_runs_grpo_against_its_baselines_with_learning_curves(tmp_path, 
     assert [p[0] for p in points] == [0, 5, 6]  # before, the step-5 evaluation, after
     assert points[0][1] == 0 and points[-1][1] > 0
     summary = json.loads((out / "ppo-seed0" / "summary.json").read_text())
-    assert summary["grpo_config"]["baseline"] == "critic"
+    assert summary["baseline_config"]["baseline"] == "critic"

@@ -107,12 +107,40 @@ def test_train_gsm8k_help_lists_every_field_with_the_preset_values(capsys):
 
 def test_every_old_flag_spelling_still_parses():
     """The flags users had before the generated parser: hyphenated names, --no-* for bools."""
-    tcfg, gcfg, _ = train_gsm8k.parse_args(
+    tcfg, gcfg, _, ecfg, mcfg, bcfg = train_gsm8k.parse_args(
         ["--preset", "qwen2.5-0.5b", "--no-bf16", "--no-gradient-checkpointing", "--group-size",
          "4", "--no-scale-rewards", "--reward-weights", "1", "0", "--clip-eps-high", "0.28",
-         "--importance-sampling-level", "sequence", "--dynamic-sampling", "2", "--threads", "1"])
-    assert (tcfg.bf16, tcfg.gradient_checkpointing, gcfg.scale_rewards) == (False, False, False)
+         "--importance-sampling-level", "sequence", "--dynamic-sampling", "2", "--threads", "1",
+         "--sampler", "plain", "--no-share-prompts", "--baseline", "leave_one_out"])
+    assert (tcfg.bf16, mcfg.gradient_checkpointing, gcfg.scale_rewards) == (False, False, False)
     assert gcfg.group_size == 4 and gcfg.reward_weights == [1.0, 0.0]
     assert gcfg.clip_eps_high == 0.28 and gcfg.importance_sampling_level == "sequence"
-    tcfg, *_ = train_gsm8k.parse_args(["--bf16", "--gradient-checkpointing"])
-    assert tcfg.bf16 and tcfg.gradient_checkpointing and tcfg.preset == "tiny"
+    assert (ecfg.sampler, ecfg.share_prompts, bcfg.baseline) == ("plain", False, "leave_one_out")
+    assert mcfg.logprob_chunk == 1024  # the preset's memory switch, in the memory config
+    tcfg, _, _, _, mcfg, _ = train_gsm8k.parse_args(["--bf16", "--gradient-checkpointing"])
+    assert tcfg.bf16 and mcfg.gradient_checkpointing and tcfg.preset == "tiny"
+
+
+def test_help_shows_the_machinery_in_its_own_sections(capsys):
+    """--help lists the speed, memory and comparison switches under their own headings, apart
+    from GRPO's, and --plain under the run's."""
+    with pytest.raises(SystemExit):
+        train_gsm8k.parse_args(["--help"])
+    out = capsys.readouterr().out
+    sections = [out.index(f"\n{title}") for title in (
+        "run:", "GRPO (grpo.GRPOConfig)", "speed (engine.", "memory (memory.",
+        "methods GRPO is compared")] + [len(out)]
+    assert sections == sorted(sections)
+
+    def section_of(flag):  # the option's own line, not the usage block above the sections
+        at = out.index(f"\n  --{flag}")
+        return sum(at > start for start in sections) - 1
+
+    assert [section_of(f) for f in ("plain", "group_size", "sampler", "share_prompts",
+                                    "logprob_chunk", "update_in_backward", "baseline")] == \
+        [0, 1, 2, 2, 3, 3, 4]
+
+
+def test_plain_refuses_a_memory_switch():
+    with pytest.raises(train_gsm8k.InputError, match="--plain runs grpo.py's own code alone"):
+        train_gsm8k.parse_args(["--plain", "--logprob-chunk", "64"])

@@ -394,7 +394,8 @@ def test_return_freed_memory_makes_glibc_give_freed_blocks_back():
     next 2 MB blocks come from the heap, and freeing all but the last keeps their ~62 MB in RSS.
     memory.return_freed_memory (its own switch, MemoryConfig.return_freed_memory) gives that back
     at once ("after"), and blocks freed after it leave RSS as they are freed ("on"). Linux with
-    glibc only (the function does nothing elsewhere). The three processes run at once; each reads its own RSS."""
+    glibc only (the function does nothing elsewhere). The three processes run at once; each reads
+    its own RSS."""
     import os
     import platform
     import subprocess

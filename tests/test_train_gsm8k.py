@@ -275,10 +275,10 @@ def test_qwen_preset_code_path_on_local_qwen2_and_gsm8k(tmp_path, capsys):
                                 "--group-size", "2", "--max-new-tokens", "12", "--micro-batch-size",
                                 "2",
                                 "--device", "cpu", "--compile", "on", "--out", str(out)])
-    assert summary["grpo_config"]["sampler"] == "compiled"
+    assert summary["engine_config"]["sampler"] == "compiled"
     assert "compiled decoding is off" not in capsys.readouterr().err
     assert summary["grpo_config"]["lr"] == 1e-6 and summary["train_config"]["bf16"] is True
-    assert summary["train_config"]["gradient_checkpointing"] is True
+    assert summary["memory_config"]["gradient_checkpointing"] is True
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert samples[0]["prompt"].startswith("<|im_start|>system\nSolve the math problem")
     assert samples[0]["prompt"].endswith("<|im_start|>assistant\n")
@@ -296,12 +296,12 @@ def test_hub_dataset_without_datasets_installed_is_a_clear_error(monkeypatch, tm
 
 
 def test_flags_override_the_preset_which_overrides_the_defaults():
-    tcfg, gcfg, _ = train_gsm8k.parse_args(["--preset", "qwen2.5-0.5b", "--lr", "2e-6",
-                                            "--no-bf16"])
+    tcfg, gcfg, *_ = train_gsm8k.parse_args(["--preset", "qwen2.5-0.5b", "--lr", "2e-6",
+                                             "--no-bf16"])
     assert tcfg.model == "Qwen/Qwen2.5-0.5B-Instruct" and tcfg.bf16 is False   # preset, then flag
     assert gcfg.lr == 2e-6 and gcfg.max_new_tokens == 512                       # flag, preset
     assert gcfg.beta == 0.04 and gcfg.clip_eps == 0.2                           # paper defaults
-    tcfg, gcfg, _ = train_gsm8k.parse_args([])
+    tcfg, gcfg, *_ = train_gsm8k.parse_args([])
     assert tcfg.preset == "tiny" and tcfg.data == "tiny" and gcfg.max_new_tokens == 96
 
 
@@ -454,7 +454,8 @@ def test_ppo_with_a_critic_trains_on_the_tiny_world(tmp_path, cache):
     out = tmp_path / "ppo"
     summary = train_gsm8k.main([*TINY_FLAGS, "--baseline", "critic", "--lam", "0.9",
                                 "--out", str(out)])
-    assert summary["ppo_config"]["lam"] == 0.9 and summary["grpo_config"]["baseline"] == "critic"
+    assert summary["ppo_config"]["lam"] == 0.9
+    assert summary["baseline_config"]["baseline"] == "critic"
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2
     assert all(math.isfinite(m["value/loss"]) and "value/explained_variance" in m
