@@ -277,14 +277,14 @@ def decode(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int,
     mask = prompt_mask.repeat_interleave(group_size, 0)                               # (N, P)
     # WHY: number positions from each prompt's first real token, as generate() does.
     positions = (mask.cumsum(1) - 1).clamp(min=0)                                     # (N, P)
-    # NOTE: transformers 5 calls the cache argument `cache`; 4.x calls it `past_key_values`.
-    kv = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)             # (N,)
-    tokens, logps, cache = [], [], None
+    tokens, logps, past = [], [], {}
     for t in range(max_new_tokens):
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                    **{kv: cache})
-        cache = out[kv]
+                    **past)
+        # NOTE: transformers 5 names the KV cache `cache`, 4.x `past_key_values`; pass it back.
+        kv = "cache" if "cache" in out else "past_key_values"
+        past = {kv: out[kv]}
         next_ids, done, logp = pick(out.logits[:, -1, :].float(), t, done)          # (N,) x3
         tokens.append(next_ids)
         logps.append(logp)

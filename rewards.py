@@ -33,7 +33,6 @@ over Python's `ast` (numbers, + - * / and parentheses, bounded in size), never `
 from __future__ import annotations
 
 import ast
-import bisect
 import re
 from decimal import Decimal
 from fractions import Fraction
@@ -313,24 +312,3 @@ def calculator_process_reward(completions, answer, prompts=None, question=None,
                 for m in annotations]
         steps.append(calc + [(len(text), final)])
     return steps
-
-
-def step_token_index(
-    tokenizer, completion_ids, lengths, step_ends: list[list[int]]
-) -> list[list[int]]:
-    """Map each step's end, a character index into the decoded completion, to the token holding its
-    last character; completion_ids (N, T), lengths (N,). A step ending at the text's end maps to the
-    completion's last token (its EOS, if it has one), so the final-answer step credits stopping too.
-    Process supervision (grpo.score_steps) uses it to put each step reward on a token."""
-    out = []
-    for ids, n, ends in zip(completion_ids.tolist(), lengths.tolist(), step_ends):
-        # WHY decode prefixes, not single tokens: a SentencePiece token decoded alone loses its
-        #     leading space, and a byte-level token holding part of a character decodes to
-        #     "\ufffd". A prefix decodes as the whole text does.
-        def chars_through(k, ids=ids):  # length of the text that tokens 0..k decode to
-            return len(tokenizer.decode(ids[:k + 1], skip_special_tokens=True))
-        text_len = chars_through(n - 1) if n else 0
-        # The first token whose prefix holds character e-1 (the step's last): a binary search.
-        out.append([n - 1 if e >= text_len else bisect.bisect_left(range(n), e, key=chars_through)
-                    for e in ends])
-    return out

@@ -26,19 +26,19 @@ import sys
 import time
 from pathlib import Path
 
-import baselines
-import checkpoint
-import engine
-import flags
+from compare import baselines
+from recipe import checkpoint
+from machinery import engine
+from recipe import flags
 import grpo
-import gsm8k
-import lora
-import memory
-import planner
-import ppo
-import report
-import tiny_world
-from flags import InputError  # re-exported: callers catch train_gsm8k.InputError
+from recipe import gsm8k
+from machinery import lora
+from machinery import memory
+from recipe import planner
+from compare import ppo
+from recipe import report
+from recipe import tiny_world
+from recipe.flags import InputError  # re-exported: callers catch train_gsm8k.InputError
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,8 +176,10 @@ def parse_args(argv=None) -> list:
     if mcfg.update_in_backward and gcfg.micro_batch_size < tcfg.prompts_per_step * gcfg.group_size:
         raise InputError("--update-in-backward needs one micro-batch per update: --micro-batch-size"
                          " must be at least --prompts-per-step x --group-size")
-    if tcfg.plain and mcfg != memory.MemoryConfig():
-        raise InputError("--plain runs grpo.py's own code alone: drop the memory switches")
+    if tcfg.plain and (mcfg != memory.MemoryConfig()
+                       or dataclasses.replace(ecfg, compile="auto") != engine.EngineConfig()):
+        raise InputError("--plain runs grpo.py's own code alone: drop the speed and memory "
+                         "switches")
     return configs
 
 
@@ -213,8 +215,9 @@ def main(argv=None) -> dict:
     torch.manual_seed(tcfg.seed)
     random.seed(tcfg.seed)
     if tcfg.lora_r:  # only the adapters train (lora.py); with --bf16 the frozen base is bf16
-        policy = lora.add_adapters(policy, tcfg.lora_r, tcfg.lora_alpha, tcfg.lora_target_modules,
-                                   bf16_base=tcfg.bf16)
+        with flags.as_input_error(lora.LoRAError):
+            policy = lora.add_adapters(policy, tcfg.lora_r, tcfg.lora_alpha,
+                                       tcfg.lora_target_modules, bf16_base=tcfg.bf16)
     # PAPER: the reference is the model GRPO starts from (a resumed run rebuilds it the same way).
     # WHY (memory): with LoRA, the base with adapters off: no copy. Under --bf16, a bf16 copy.
     ref = (None if gcfg.beta == 0 else lora.AdaptersOff(policy) if tcfg.lora_r
@@ -231,21 +234,24 @@ def main(argv=None) -> dict:
                zip(CONFIGS, (tcfg, gcfg, pcfg, ecfg, mcfg, bcfg))}
     state.update(configs)
     log = report.RunLog(out, not tcfg.resume, tcfg.report_to, state, gcfg.num_iterations)
-    # The method: GRPO (the page's seams), or one it is compared with, through the same seams.
-    # PPO (--baseline critic) swaps in its step, which trains a value model beside the policy.
-    seams = baselines.apply(bcfg, grpo.Seams())
-    step_fn = ppo.Critic(policy, gcfg, pcfg) if bcfg.baseline == "critic" else grpo.grpo_step
-    # Applied from outside: speed and memory, each a switch; --plain: none, grpo.py's code alone.
+    # Applied from outside grpo.py, in this one place: speed and memory, each a switch of its own
+    # config; --plain: none of them, grpo.py's own code alone. (nanoGPT's torch.compile line.)
+    seams = grpo.Seams()
+    policy.train()
     if not tcfg.plain:
+        engine.enable_activation_checkpointing(policy, mcfg.gradient_checkpointing)
+        memory.lean_activations(policy, mcfg.lean_activations)
         seams = engine.apply(ecfg, seams, grpo.eos_token_ids(policy, tokenizer),
                              grpo.pad_token_id(policy, tokenizer))   # sampler, shared prompts
         seams = memory.apply(mcfg, seams)             # chunked log-probs, AdamW inside backward
-        engine.enable_activation_checkpointing(policy, mcfg.gradient_checkpointing)
-        memory.lean_activations(policy, mcfg.lean_activations)
-        engine.compile_layers(ecfg, mcfg.update_in_backward, policy, ref)  # compiled decoding
         if mcfg.return_freed_memory:
             memory.return_freed_memory()  # NOTE: process-wide, and only when asked for
-    policy.train()
+    # The method: GRPO, or one it is compared with through the same seams (baselines.py); PPO
+    # (--baseline critic) swaps in its step, which trains a value model beside the policy.
+    seams = baselines.apply(bcfg, seams)
+    step_fn = ppo.Critic(policy, gcfg, pcfg) if bcfg.baseline == "critic" else grpo.grpo_step
+    if not tcfg.plain:
+        engine.compile_layers(ecfg, mcfg.update_in_backward, policy, ref)  # compiled decoding
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=tcfg.bf16)
     n_params = sum(p.numel() for p in policy.parameters()) / 1e6
     tqdm.write(f"model: {model_name} ({n_params:.2f} M parameters) on {device}; data: {tcfg.data} "

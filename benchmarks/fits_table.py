@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import planner  # noqa: E402
+from recipe import planner  # noqa: E402
 
 MODELS = {"Qwen2.5-0.5B": "qwen2.5-0.5b.json", "Qwen2.5-1.5B": "qwen2.5-1.5b.json",
           "DeepSeekMath-7B (the paper's)": "deepseek-math-7b.json"}

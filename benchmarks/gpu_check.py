@@ -49,7 +49,7 @@ def machine(device: str) -> dict:
 
 def sampler_of(name: str, model, tok, min_new_tokens: int = 0):
     """EngineConfig.sampler `name`'s decode loop, as train_gsm8k.py hands it to grpo.py."""
-    import engine
+    from machinery import engine
     import grpo
     cfg = engine.EngineConfig(sampler=name, min_new_tokens=min_new_tokens)
     return engine.apply(cfg, grpo.Seams(), grpo.eos_token_ids(model, tok),
@@ -80,7 +80,7 @@ def torch_seed(seed: int, device: str):
 
 
 def tokens(device: str) -> list[dict]:
-    import tiny_world
+    from recipe import tiny_world
     tok = tiny_world.char_tokenizer()
     models = {"llama": tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2),
               "qwen2": tiny_world.tiny_qwen2(tok)}
@@ -97,7 +97,7 @@ def speed(device: str, arch: str, bf16: bool, group_size: int, prompts: int, n_t
           repeats: int, hidden: int = 64, layers: int = 2) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    import engine
+    from machinery import engine
     import grpo
     with tempfile.TemporaryDirectory() as tmp:
         n_params = build_model(Path(tmp), hidden, layers, 4, arch)
@@ -136,12 +136,12 @@ def lora_step(device: str, config_path: str, group_size: int, prompts: int, n_to
     the plan only)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    import engine
+    from machinery import engine
     import grpo
-    import lora
-    import planner
+    from machinery import lora
+    from recipe import planner
     import rewards
-    import tiny_world
+    from recipe import tiny_world
     tok = tiny_world.char_tokenizer()
     config = AutoConfig.from_pretrained(config_path)
     if shrink:
@@ -159,7 +159,7 @@ def lora_step(device: str, config_path: str, group_size: int, prompts: int, n_to
     policy.train()
     cfg = grpo.GRPOConfig(group_size=group_size, max_new_tokens=n_tokens,
                           micro_batch_size=min(8, group_size * prompts), lr=1e-5)
-    import memory  # the machinery, applied from outside grpo.py as train_gsm8k.py applies it
+    from machinery import memory  # applied from outside grpo.py, as train_gsm8k.py applies it
     seams = memory.apply(memory.MemoryConfig(logprob_chunk=1024), grpo.Seams(
         sample=sampler_of("engine", policy, tok, n_tokens)))
     rows = rows_for(prompts)

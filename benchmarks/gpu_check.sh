@@ -17,7 +17,7 @@
 #      with its peak GPU memory;
 #   5. benchmarks/vs_trl.py at Qwen2.5-0.5B's architecture, bf16, G=8, 512 tokens, against TRL;
 #   6. one GRPO + LoRA step in bf16 at the paper's 7B architecture (DeepSeekMath-7B, random
-#      weights), its peak GPU memory against planner.py's prediction;
+#      weights), its peak GPU memory against recipe/planner.py's prediction;
 #   7. the tiny preset (train_gsm8k.py, the default run) on CUDA for 50 steps.
 # GPU_CHECK_SKIP="5-vs-trl ..." leaves out the steps it names.
 # Offline GPU machines lack TRL (and may hold an older transformers): wheels in .whl/ are installed

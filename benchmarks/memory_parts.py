@@ -66,11 +66,11 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
     phase with it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    import engine
+    from machinery import engine
     import grpo
-    import lora
-    import memory
-    import ppo
+    from machinery import lora
+    from machinery import memory
+    from compare import ppo
     import rewards
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -152,7 +152,7 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
                lora_r=lora_r, baseline=baseline, update_in_backward=update_in_backward,
                lean_activations=lean_activations)
     # The planner's prediction for the same step (planner.py), from the config alone
-    import planner
+    from recipe import planner
     prompt_tokens = planner.prompt_tokens_of(tok, [r["prompt"] for r in rows[prompts:]])  # step 2
     settings = planner.settings_of(cfg, prompt_tokens, prompts_per_step=prompts,
                                    gradient_checkpointing=gradient_checkpointing, lora_r=lora_r,

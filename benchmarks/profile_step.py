@@ -105,7 +105,7 @@ def profile(model_dir: str, group_size: int, prompts: int, tokens: int, steps: i
     RSS."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    import engine
+    from machinery import engine
     import grpo
     import rewards
     torch.set_num_threads(threads)
@@ -245,7 +245,7 @@ def main(argv=None):
     if a.steps < 1 or a.warmup < 0 or a.repeats < 1:
         p.error("--steps and --repeats must be at least 1, --warmup at least 0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import engine
+    from machinery import engine
     sampler = engine.sampler_for(a.compile, "engine", 0)  # on: 'compiled', off: 'engine'
 
     if a.worker:

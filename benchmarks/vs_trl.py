@@ -61,7 +61,7 @@ def build_model(path: Path, hidden: int, layers: int, heads: int, arch: str = "l
     """A random model and the tiny_world character tokenizer, saved where both sides load them from.
     arch "llama": a tiny_world Llama of the given size (vocab rows; 0: the tokenizer's);
     "qwen2.5-0.5b": Qwen2.5-0.5B's exact architecture (hidden, layers, heads, vocab ignored)."""
-    import tiny_world
+    from recipe import tiny_world
     tok = tiny_world.char_tokenizer()
     if arch == "qwen2.5-0.5b":
         import torch
@@ -82,7 +82,7 @@ def build_model(path: Path, hidden: int, layers: int, heads: int, arch: str = "l
 
 
 def rows_for(n_prompts: int) -> list[dict]:
-    import tiny_world
+    from recipe import tiny_world
     return [{"prompt": tiny_world.prompt_of(r["question"]), "answer": r["answer"]}
             for r in tiny_world.make_problems(n_prompts, "train", seed=0)]
 
@@ -114,9 +114,9 @@ def sync(device: str):
 def grpo_config(a):
     """Our side's configs (GRPO, engine, memory); main() also builds them first, so a bad value
     is a config's one-line error."""
-    import engine
+    from machinery import engine
     import grpo
-    import memory
+    from machinery import memory
     return (grpo.GRPOConfig(group_size=a.group_size, max_new_tokens=a.tokens, beta=a.beta,
                             num_iterations=a.num_iterations, lr=a.lr,
                             micro_batch_size=a.prompts * a.group_size),
@@ -139,7 +139,7 @@ def max_dropout(model) -> float:
 
 def our_settings(a, cfg, ecfg, policy) -> dict:
     """What our side effectively runs with, in the vocabulary both sides share (trl_settings)."""
-    import engine
+    from machinery import engine
     return {"group_size": cfg.group_size, "completions_per_step": a.prompts * cfg.group_size,
             "max_new_tokens": cfg.max_new_tokens, "min_new_tokens": ecfg.min_new_tokens,
             "temperature": cfg.temperature,
@@ -157,7 +157,7 @@ def our_settings(a, cfg, ecfg, policy) -> dict:
 
 def trl_settings(trainer) -> dict:
     """What TRL's GRPOTrainer effectively ran with, read back from the trainer after training."""
-    import engine
+    from machinery import engine
     args, gen = trainer.args, trainer.generation_config
     schedule = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
     warm = args.warmup_steps or getattr(args, "warmup_ratio", 0) or 0
@@ -179,9 +179,9 @@ def trl_settings(trainer) -> dict:
 def run_ours(a) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    import engine
+    from machinery import engine
     import grpo
-    import memory
+    from machinery import memory
     import rewards
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-import ablation
+from compare import ablation
 
 
 @pytest.mark.slow

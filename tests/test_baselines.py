@@ -8,9 +8,9 @@ Needs: torch (tiny_world and transformers for the step). CPU, offline, ~5 s.
 import pytest
 import torch
 
-import baselines
+from compare import baselines
 import grpo
-import tiny_world
+from recipe import tiny_world
 
 
 def test_leave_one_out_by_hand():

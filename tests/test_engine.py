@@ -13,9 +13,9 @@ import copy
 import pytest
 import torch
 
-import engine
+from machinery import engine
 import grpo
-import tiny_world
+from recipe import tiny_world
 
 ARCHS = ["llama", "llama-eager", "gpt2"]
 PROMPTS = ["What is 2+3? Then add 17 and 45.", "Hi", "Q: 7*8"]  # 3 lengths: real left padding
@@ -159,7 +159,7 @@ def one_step(base, tok, sampler: str | None, checkpointing: bool = False,
     sampler (None: grpo.Seams(), the page alone): (its metrics, the step time left out, with the
     samples; the updated weights; how many layers were compiled). As train_gsm8k.py does, the
     'compiled' sampler compiles the decoder layers too."""
-    import memory
+    from machinery import memory
     policy = copy.deepcopy(base)
     if checkpointing:
         engine.enable_activation_checkpointing(policy)

@@ -11,7 +11,7 @@ from typing import Literal
 
 import pytest
 
-import flags
+from recipe import flags
 import train_gsm8k
 
 
@@ -141,6 +141,9 @@ def test_help_shows_the_machinery_in_its_own_sections(capsys):
         [0, 1, 2, 2, 3, 3, 4]
 
 
-def test_plain_refuses_a_memory_switch():
+@pytest.mark.parametrize("switch", [["--logprob-chunk", "64"], ["--sampler", "compiled"],
+                                    ["--no-share-prompts"]])
+def test_plain_refuses_a_speed_or_memory_switch(switch):
     with pytest.raises(train_gsm8k.InputError, match="--plain runs grpo.py's own code alone"):
-        train_gsm8k.parse_args(["--plain", "--logprob-chunk", "64"])
+        train_gsm8k.parse_args(["--plain", *switch])
+    assert train_gsm8k.parse_args(["--plain", "--compile", "off"])[0].plain

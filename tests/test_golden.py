@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import grpo
-import tiny_world
+from recipe import tiny_world
 
 SETTINGS = {
     "grpo_mu2": dict(num_iterations=2),

@@ -13,7 +13,7 @@ import torch
 
 import grpo
 import rewards
-import tiny_world
+from recipe import tiny_world
 
 LN2 = math.log(2.0)
 
@@ -477,7 +477,7 @@ def test_step_ends_map_to_the_token_holding_their_last_character(tiny):
     text = "1+1=<<1+1=2>>2\n#"
     ids = torch.tensor([tok.convert_tokens_to_ids(list(text)) + [tok.eos_token_id,
                                                                  tok.pad_token_id]])
-    assert rewards.step_token_index(tok, ids, torch.tensor([17]), [[13, len(text)]]) == [[12, 16]]
+    assert grpo.step_token_index(tok, ids, torch.tensor([17]), [[13, len(text)]]) == [[12, 16]]
 
 
 def subword_tokenizers():
@@ -517,7 +517,7 @@ def test_step_ends_map_to_tokens_on_subword_tokenizers(kind):
     slow = [next(k for k in range(len(ids)) if len(tok.decode(ids[:k + 1],
                                                               skip_special_tokens=True)) >= e)
             for e in ends[:-1]] + [len(ids) - 1]                     # the last step ends at the EOS
-    assert rewards.step_token_index(tok, torch.tensor([ids]), torch.tensor([len(ids)]),
+    assert grpo.step_token_index(tok, torch.tensor([ids]), torch.tensor([len(ids)]),
                                     [ends]) == [slow]
     assert tok.decode(ids[:slow[0] + 1], skip_special_tokens=True).endswith("apples.")
 
@@ -577,7 +577,6 @@ def test_dynamic_sampling_drops_agreeing_groups_and_tops_up():
 
 
 def test_process_supervision_step_runs_with_the_calculator_reward():
-    import rewards
     tok = tiny_world.char_tokenizer()
     cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=12, lr=1e-2, supervision="process")
     policy = tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0)

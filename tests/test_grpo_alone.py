@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import grpo
-import tiny_world
+from recipe import tiny_world
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -123,7 +123,7 @@ def test_a_default_step_runs_only_grpo_py(monkeypatch):
 def test_the_frame_record_sees_the_machinery_when_it_is_handed_in():
     """The same record with engine.py's seams (train_gsm8k.py's default) finds engine.py: so the
     test above can fail."""
-    import engine
+    from machinery import engine
     tok = tiny_world.char_tokenizer()
     policy = grpo.disable_dropout(tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2))
     cfg = grpo.GRPOConfig(max_new_tokens=8)
@@ -137,4 +137,4 @@ def test_the_frame_record_sees_the_machinery_when_it_is_handed_in():
                        grpo.GRPOConfig(max_new_tokens=8, beta=0.0), seams=seams)
     finally:
         sys.setprofile(None)
-    assert str(ROOT / "engine.py") in {str(Path(f).resolve()) for f in files}
+    assert str(ROOT / "machinery" / "engine.py") in {str(Path(f).resolve()) for f in files}

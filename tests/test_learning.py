@@ -12,7 +12,7 @@ import time
 import torch
 
 import grpo
-import tiny_world
+from recipe import tiny_world
 
 
 def next_digit(prompts, completions, **kwargs):

@@ -16,10 +16,10 @@ import torch
 peft = pytest.importorskip("peft", reason="LoRA needs peft (pip install peft)")
 
 import grpo  # noqa: E402
-import lora  # noqa: E402
-import tiny_world  # noqa: E402
+from machinery import lora  # noqa: E402
+from recipe import tiny_world  # noqa: E402
 import train_gsm8k  # noqa: E402
-from flags import InputError  # noqa: E402
+from recipe.flags import InputError  # noqa: E402
 from test_resume import FLAGS, steps_of  # noqa: E402
 
 PROMPTS = ["What is 2+3?", "Hi", "Q: 7*8 then 9"]
@@ -108,13 +108,20 @@ def test_bf16_base_keeps_fp32_adapters():
     assert dtypes == {torch.float32} and frozen == {torch.bfloat16}
 
 
-def test_missing_peft_and_a_bad_target_are_one_line_errors(monkeypatch):
+def test_missing_peft_and_a_bad_target_are_one_line_errors(monkeypatch, tmp_path):
+    """lora.py raises its own one-line LoRAError (the machinery may not import the recipe); the
+    recipe shows it as bad input, exit code 2."""
     tok = tiny_world.char_tokenizer()
     model = tiny_world.tiny_llama(tok, hidden=32, layers=1, heads=2)
-    with pytest.raises(InputError, match="--lora-target-modules nope_proj"):
+    with pytest.raises(lora.LoRAError, match="--lora-target-modules nope_proj"):
         lora.add_adapters(model, 4, 8, "nope_proj")
+    monkeypatch.setenv("GRPO_TINY_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(InputError, match="--lora-target-modules nope_proj"):
+        train_gsm8k.main(["--warm-start-steps", "5", "--lora-r", "4", "--lora-target-modules",
+                          "nope_proj", "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
     monkeypatch.setitem(sys.modules, "peft", None)
-    with pytest.raises(InputError, match="pip install peft"):
+    with pytest.raises(lora.LoRAError, match="pip install peft"):
         lora.add_adapters(model, 4, 8)
 
 
@@ -124,7 +131,7 @@ def test_train_gsm8k_with_lora_saves_adapters_merges_at_the_end_and_resumes_exac
     weights. Checkpoints are PEFT adapter folders; final/ is a plain model."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
-    import gsm8k
+    from recipe import gsm8k
     monkeypatch.setenv("GRPO_TINY_CACHE", str(tmp_path / "cache"))
     # WHY: a 5-step warm start answers nothing right, so correctness gives no signal; a reward on
     #      the length does, so the adapters move and resuming has something to get right.

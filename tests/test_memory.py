@@ -13,10 +13,10 @@ import copy
 import pytest
 import torch
 
-import engine
+from machinery import engine
 import grpo
-import memory
-import tiny_world
+from machinery import memory
+from recipe import tiny_world
 from test_engine import tiny_gpt2
 
 PROMPTS = ["What is 2+3?", "Hi", "Q: 7*8 then 9"]
@@ -189,7 +189,7 @@ def test_chunked_logprobs_with_gradient_checkpointing_and_lora():
     """The chunked path goes through the backbone as the model's own forward does, so it sees
     checkpointed layers and LoRA adapters (switched off for π_ref) the same way."""
     pytest.importorskip("peft")
-    import lora
+    from machinery import lora
     tok = tiny_world.char_tokenizer()
     policy = lora.add_adapters(model_for("llama", tok), r=4, alpha=8)
     for n, p in policy.named_parameters():  # non-zero B, so the adapters change the output
@@ -403,7 +403,8 @@ def test_return_freed_memory_makes_glibc_give_freed_blocks_back():
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("glibc's malloc only")
     script = "\n".join([
-        "import sys, torch, memory",
+        "import sys, torch",
+        "from machinery import memory",
         "def rss():",
         "    line = [x for x in open('/proc/self/status') if x.startswith('VmRSS:')][0]",
         "    return int(line.split()[1]) / 1024",
@@ -418,7 +419,7 @@ def test_return_freed_memory_makes_glibc_give_freed_blocks_back():
         "    memory.return_freed_memory()",
         "print(before - rss())"])
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
-    env["PYTHONPATH"] = os.path.dirname(os.path.abspath(memory.__file__))
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(memory.__file__)))
     runs = {flag: subprocess.Popen([sys.executable, "-c", script, flag], env=env, text=True,
                                    stdout=subprocess.PIPE) for flag in ("off", "on", "after")}
     freed = {flag: float(p.communicate()[0].split()[-1]) for flag, p in runs.items()}
@@ -473,5 +474,5 @@ def test_lean_activations_keep_fewer_tensors_and_give_the_same_gradients(arch):
     for name in want[2]:
         assert err_lean[name] < max(2 * err_plain[name], 0.02), name
     if arch == "llama" and __import__("importlib").util.find_spec("peft"):
-        import lora
+        from machinery import lora
         assert memory.lean_activations(lora.add_adapters(copy.deepcopy(model), r=4, alpha=8)) == 5

@@ -3,7 +3,7 @@
 Needs: torch, transformers. CPU, offline, about half a minute.
 """
 
-import own_task_example
+from recipe import own_task_example
 
 
 def test_own_task_example_learns_to_reverse_digits():

@@ -17,8 +17,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, Qwen2Config
 
-import planner
-import tiny_world
+from recipe import planner
+from recipe import tiny_world
 import train_gsm8k
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,7 +76,7 @@ def test_counts_equal_a_real_model(config):
     assert shape.params == sum(p.numel() for p in model.parameters())
     assert shape.head_params == (0 if config.tie_word_embeddings else 32 * 300)
     peft = pytest.importorskip("peft", reason="the LoRA count is checked against peft's")
-    import lora
+    from machinery import lora
     adapted = lora.add_adapters(model, r=4, alpha=8)
     assert shape.lora_params(4, "all-linear") == lora.trainable_share(adapted)[0]
     if not isinstance(model, GPT2LMHeadModel):

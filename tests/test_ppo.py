@@ -11,10 +11,10 @@ import dataclasses
 import pytest
 import torch
 
-import baselines
+from compare import baselines
 import grpo
-import ppo
-import tiny_world
+from compare import ppo
+from recipe import tiny_world
 
 
 def test_token_rewards_hand_worked():

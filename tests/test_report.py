@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-import report
+from recipe import report
 import train_gsm8k
-from flags import InputError
+from recipe.flags import InputError
 from test_train_gsm8k import TINY_FLAGS, cache  # noqa: F401 (a fixture)
 
 HEALTHY = {"completions/clipped_ratio": 0.0, "frac_reward_zero_std": 0.3, "kl": 0.02,

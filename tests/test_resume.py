@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import checkpoint
+from recipe import checkpoint
 import train_gsm8k
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,7 +115,7 @@ def test_resume_without_a_checkpoint_is_a_one_line_error(tmp_path, capsys):
 def test_a_crash_while_writing_a_checkpoint_leaves_the_last_one_whole(tmp_path, monkeypatch):
     """The second save dies half-way through writing its weights: checkpoint-1 must still load and
     resume."""
-    import tiny_world
+    from recipe import tiny_world
     from transformers import AutoModelForCausalLM
     tok = tiny_world.char_tokenizer()
     model = tiny_world.tiny_llama(tok, hidden=32, layers=1, heads=2)
@@ -143,7 +143,7 @@ def test_a_crash_while_writing_a_checkpoint_leaves_the_last_one_whole(tmp_path, 
 
 
 def test_non_finite_weights_are_never_checkpointed(tmp_path):
-    import tiny_world
+    from recipe import tiny_world
     tok = tiny_world.char_tokenizer()
     model = tiny_world.tiny_llama(tok, hidden=32, layers=1, heads=2)
     opt = torch.optim.AdamW(model.parameters())

@@ -1,6 +1,7 @@
-"""The shape of the code, checked: grpo.py stays a one-sitting read, no line passes 100 columns, the
-project's imports form no cycle and never reach into the train_gsm8k.py script, and the README front
-page stays short.
+"""The shape of the code, checked: grpo.py stays a one-sitting read and imports only the standard
+library and torch, no line passes 100 columns, the project's imports run one way (grpo.py <-
+machinery/ <- recipe/ <- the scripts) with no cycle, the top level shows the design, and the README
+front page stays short.
 
 Needs: nothing beyond the standard library. CPU, offline, under a second.
 """
@@ -14,7 +15,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted(p for p in ROOT.rglob("*.py") if ".git" not in p.parts and ".cache" not in p.parts)
-MODULES = {p.stem: p for p in ROOT.glob("*.py")}  # the flat, importable top level
 
 
 def line_kinds(path: Path) -> tuple[set[int], set[int]]:
@@ -77,15 +77,27 @@ def test_no_line_is_longer_than_100_columns():
     assert not long, f"lines over 100 columns: {long[:10]}"
 
 
+def module_of(path: Path) -> str:
+    """A project file's module name: grpo, machinery.engine, benchmarks.vs_trl, ..."""
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+PROJECT = {module_of(p) for p in SOURCES if "tests" not in p.relative_to(ROOT).parts}
+
+
 def imports_of(path: Path) -> set[str]:
-    """The project modules a file imports, anywhere in it (inside functions too)."""
+    """The project modules a file imports, anywhere in it (inside functions too):
+    `import grpo`, `from machinery import engine`, `from recipe.flags import InputError`."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[0] for a in node.names}
+            found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split(".")[0])
-    return found & set(MODULES)
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    if path.parent.name == "benchmarks":  # NOTE: the scripts there import each other by name
+        found |= {f"benchmarks.{m}" for m in found}
+    return found & PROJECT
 
 
 def cycle_in(graph: dict[str, set[str]]) -> list[str] | None:
@@ -115,14 +127,60 @@ def test_cycle_finder_finds_a_planted_cycle():
     assert cycle_in({"a": {"b"}, "b": {"c"}, "c": set()}) is None
 
 
-def test_imports_form_no_cycle_and_nothing_imports_the_script():
-    """Library modules and the other scripts (benchmarks included) never import train_gsm8k.py, and
-    no chain of imports leads back to where it started. Tests may import anything."""
+def rank(module: str) -> int:
+    """The import direction, grpo.py <- machinery <- recipe: a module may import only modules of a
+    lower rank, or of its own rank in its own folder. Rank 3 (the scripts) is imported by none."""
+    if module in ("grpo", "rewards"):
+        return 0
+    if module.startswith("machinery.") or module in ("compare.baselines", "compare.ppo"):
+        return 1
+    if module.startswith("recipe."):
+        return 2
+    return 3  # train_gsm8k, compare's scripts, benchmarks
+
+
+def against_the_direction(graph: dict[str, set[str]]) -> list[str]:
+    """Every import `a -> b` that runs against the direction."""
+    def folder(m):
+        return m.rpartition(".")[0]
+    return sorted(f"{a} -> {b}" for a, bs in graph.items() for b in bs
+                  if not (rank(b) < rank(a) or (rank(b) == rank(a) and folder(a) == folder(b)
+                                                 and (rank(a) < 3 or folder(a) == "benchmarks"))))
+
+
+def test_the_direction_check_finds_planted_imports():
+    """The machinery importing the recipe's support, grpo.py importing the machinery, a script
+    imported by the recipe, and the machinery importing a compared method are each refused."""
+    planted = {"machinery.lora": {"recipe.flags"}, "grpo": {"machinery.engine"},
+               "recipe.gsm8k": {"train_gsm8k"}, "machinery.engine": {"compare.baselines"},
+               "recipe.checkpoint": {"machinery.lora", "grpo", "recipe.flags"}}
+    assert against_the_direction(planted) == [
+        "grpo -> machinery.engine", "machinery.engine -> compare.baselines",
+        "machinery.lora -> recipe.flags", "recipe.gsm8k -> train_gsm8k"]
+
+
+def test_imports_run_one_way_and_form_no_cycle():
+    """grpo.py <- machinery/ (and the compared methods) <- recipe/ <- the scripts: no import runs
+    against that direction, none forms a cycle, and nothing imports train_gsm8k.py. Tests may
+    import anything."""
     files = [p for p in SOURCES if "tests" not in p.relative_to(ROOT).parts]
-    graph = {p.stem: imports_of(p) - {p.stem} for p in files if p.parent == ROOT}
+    graph = {module_of(p): imports_of(p) - {module_of(p)} for p in files}
+    assert graph["machinery.engine"] >= {"grpo"} and graph["recipe.checkpoint"] >= {"grpo"}
+    assert against_the_direction(graph) == []
     assert cycle_in(graph) is None, f"import cycle: {' -> '.join(cycle_in(graph))}"
-    users = [str(p.relative_to(ROOT)) for p in files if "train_gsm8k" in imports_of(p)]
-    assert not users, f"these import the train_gsm8k.py script: {users}"
+
+
+def test_the_top_level_shows_the_design():
+    """The design's files, docs/ and benchmarks/, and three folders by role, each opening with a
+    paragraph that says its role and what may import it."""
+    top = {p.name for p in ROOT.iterdir() if not p.name.startswith(".")
+           and p.name not in ("__pycache__", "runs")}
+    assert top == {"README.md", "grpo.py", "rewards.py", "train_gsm8k.py", "requirements.txt",
+                   "notebooks", "tests", "docs", "benchmarks", "machinery", "recipe", "compare",
+                   "pytest.ini", "ruff.toml"}, top
+    for folder in ("machinery", "recipe", "compare"):
+        doc = ast.get_docstring(ast.parse((ROOT / folder / "__init__.py").read_text()))
+        assert doc and "May import:" in doc, folder
 
 
 def test_the_front_page_stays_short():

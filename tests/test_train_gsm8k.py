@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import gsm8k
-import tiny_world
+from recipe import gsm8k
+from recipe import tiny_world
 import train_gsm8k
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -351,7 +351,7 @@ def test_non_finite_logits_in_training_stop_the_run_with_weights_untouched(tmp_p
                                                                            monkeypatch, capsys):
     """Every training forward pass overflows (as bf16 can); sampling does not. Nothing is ever
     updated."""
-    import tiny_world
+    from recipe import tiny_world
     real_load = tiny_world.load_warm_start
 
     def load_with_overflow(*a, **kw):
@@ -489,3 +489,32 @@ def test_the_hub_data_set_without_a_network_is_one_line(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(train_gsm8k.InputError, match="pass a folder with train.jsonl"):
         gsm8k.load_data("openai/gsm8k", 5, 5)
+
+
+def test_plain_runs_grpo_py_alone_and_lands_where_the_machinery_does(tmp_path, cache,
+                                                                     monkeypatch):
+    """--plain trains with grpo.Seams() (none of machinery/: engine.apply and memory.apply would
+    raise here); the default run applies them. The same seed gives the same samples and rewards,
+    and the accuracy after within one problem: the machinery draws the page's tokens and scores
+    them to float rounding."""
+    from machinery import engine, memory
+    real = engine.apply, memory.apply
+
+    def refuse(*args):
+        raise AssertionError("--plain applied the machinery")
+
+    monkeypatch.setattr(engine, "apply", refuse)
+    monkeypatch.setattr(memory, "apply", refuse)
+    plain = train_gsm8k.main([*TINY_FLAGS, "--plain", "--out", str(tmp_path / "plain")])
+    applied = []
+    monkeypatch.setattr(engine, "apply", lambda *a: applied.append(1) or real[0](*a))
+    monkeypatch.setattr(memory, "apply", lambda *a: applied.append(2) or real[1](*a))
+    fast = train_gsm8k.main([*TINY_FLAGS, "--out", str(tmp_path / "fast")])
+    assert applied == [1, 2] and plain["train_config"]["plain"] is True
+    metrics = [[json.loads(line) for line in (tmp_path / d / "metrics.jsonl").open()]
+               for d in ("plain", "fast")]
+    for a, b in zip(*metrics):
+        assert a["reward"] == b["reward"] and a["completions/mean_length"] == \
+            b["completions/mean_length"]
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+    assert abs(plain["accuracy_after"] - fast["accuracy_after"]) <= 1 / 6

@@ -12,8 +12,8 @@ trl = pytest.importorskip("trl",
 
 
 def test_trl_trains_two_steps_with_our_data_and_rewards(tmp_path, monkeypatch):
-    import tiny_world
-    import train_trl
+    from recipe import tiny_world
+    from compare import train_trl
     from transformers import AutoModelForCausalLM
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     tok = tiny_world.char_tokenizer()
@@ -54,7 +54,7 @@ def test_two_processes_under_accelerate_launch(tmp_path):
     import sys
     from pathlib import Path
 
-    import tiny_world
+    from recipe import tiny_world
     from transformers import AutoModelForCausalLM
     pytest.importorskip("accelerate", reason="accelerate comes with TRL")
     root = Path(__file__).resolve().parent.parent
@@ -65,7 +65,7 @@ def test_two_processes_under_accelerate_launch(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-         "--main_process_port", str(free_port()), "train_trl.py", "--model",
+         "--main_process_port", str(free_port()), "compare/train_trl.py", "--model",
          str(tmp_path / "model"), "--data", "tiny", "--steps", "2", "--prompts-per-step", "2",
          "--group-size", "4", "--max-new-tokens", "16", "--cpu", "--out", str(tmp_path / "out")],
         cwd=root, env=env, capture_output=True, text=True, timeout=300)
@@ -82,6 +82,6 @@ def test_zero3_config_is_one_accelerate_reads():
     config_args = pytest.importorskip("accelerate.commands.config.config_args",
                                       reason="accelerate comes with TRL")
     c = config_args.load_config_from_file(
-        str(Path(__file__).resolve().parent.parent / "zero3.yaml"))
+        str(Path(__file__).resolve().parent.parent / "compare" / "zero3.yaml"))
     assert c.distributed_type.value == "DEEPSPEED" and c.deepspeed_config["zero_stage"] == 3
     assert c.mixed_precision == "bf16" and c.num_machines == 1

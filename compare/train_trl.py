@@ -29,10 +29,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-import grpo
-import gsm8k
-from flags import InputError
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # WHY: run as a script
+
+import grpo  # noqa: E402
+from recipe import gsm8k  # noqa: E402
+from recipe.flags import InputError  # noqa: E402
 
 
 def parse_args(argv=None):

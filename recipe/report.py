@@ -14,7 +14,7 @@ import math
 import statistics
 from pathlib import Path
 
-from flags import InputError
+from recipe.flags import InputError
 
 LOGS = ("metrics.jsonl", "samples.jsonl")  # cut back to the checkpoint's step on --resume
 

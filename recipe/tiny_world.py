@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from checkpoint import load_pretrained, save_pretrained_atomic
+from recipe.checkpoint import load_pretrained, save_pretrained_atomic
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 # WHY: printable ASCII plus newline covers GSM8K-style text; anything else maps to <unk>.
@@ -275,9 +275,10 @@ class WarmStartConfig:
 
 
 def default_cache_dir() -> Path:
-    """Where warm-start checkpoints live: $GRPO_TINY_CACHE, else .cache/ next to this file
+    """Where warm-start checkpoints live: $GRPO_TINY_CACHE, else .cache/ at the repository's top
     (git-ignored)."""
-    return Path(os.environ.get("GRPO_TINY_CACHE", Path(__file__).resolve().parent / ".cache"))
+    root = Path(__file__).resolve().parent.parent
+    return Path(os.environ.get("GRPO_TINY_CACHE", root / ".cache"))
 
 
 def supervised_loss(model, tokenizer, rows: list[dict]) -> torch.Tensor:

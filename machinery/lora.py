@@ -13,6 +13,8 @@ plus a frozen reference copy. With LoRA the gradients and AdamW state exist for 
 (well under 1% of the parameters at r = 16), and π_ref costs nothing: it is the base model, which
 LoRA never changes, reached by switching the adapters off (TRL does the same with PEFT). LoRA's B
 matrices start at zero, so before the first update the policy is exactly the base model.
+What it buys, measured (docs/memory.md; the 2-core Intel Xeon CPU, Qwen2.5-0.5B's architecture,
+64 tokens): a step peaked at 5,865 MB with --lora-r 16 against 11,668 MB with full fine-tuning.
 NOTE: LoRA usually wants a larger learning rate than full fine-tuning (1e-5 to 1e-4 against the
       paper's 1e-6); no default here changes with it.
 peft is an optional dependency (pip install peft); without it, --lora-r fails with one line.
@@ -24,7 +26,11 @@ from pathlib import Path
 
 import torch
 
-from flags import InputError
+
+class LoRAError(ValueError):
+    """A LoRA setting or checkpoint that cannot work, in one line (the recipe shows it as bad
+    input: recipe.flags.InputError, exit code 2)."""
+
 
 DEFAULT_TARGETS = "all-linear"
 """Every linear layer of the decoder blocks, the lm_head excepted: PEFT's name for q/k/v/o and the
@@ -37,7 +43,7 @@ def peft_module():
     try:
         import peft
     except ImportError:
-        raise InputError("LoRA (--lora-r) needs the peft package: pip install peft") from None
+        raise LoRAError("LoRA (--lora-r) needs the peft package: pip install peft") from None
     return peft
 
 
@@ -57,7 +63,7 @@ def add_adapters(model, r: int, alpha: float, targets: str = DEFAULT_TARGETS,
     try:
         return peft.get_peft_model(model, config)
     except ValueError as e:  # e.g. a target module name the model does not have
-        raise InputError(f"--lora-target-modules {targets}: {str(e).splitlines()[0]}") from None
+        raise LoRAError(f"--lora-target-modules {targets}: {str(e).splitlines()[0]}") from None
 
 
 def unwrap(model):
@@ -101,7 +107,7 @@ def load_adapter_weights(model, adapter_dir: Path):
     result = peft_module().set_peft_model_state_dict(model, saved)
     if result.unexpected_keys or len(saved) != sum(1 for n, _ in model.named_parameters()
                                                     if "lora_" in n):
-        raise InputError(f"{adapter_dir}: its adapters do not match this model's LoRA settings")
+        raise LoRAError(f"{adapter_dir}: its adapters do not match this model's LoRA settings")
     return model
 
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 import grpo
-import lora
-from flags import InputError
+from machinery import lora
+from recipe.flags import InputError, as_input_error
 
 
 class TrainingStopped(Exception):
@@ -113,7 +113,8 @@ def load_checkpoint(ckpt: Path, device: str, cfg: grpo.GRPOConfig, base=None):
     if lora.is_adapter_dir(ckpt):
         if base is None:
             raise InputError(f"{ckpt} holds LoRA adapters; resuming it needs --lora-r")
-        policy = lora.load_adapter_weights(base, ckpt)
+        with as_input_error(lora.LoRAError):
+            policy = lora.load_adapter_weights(base, ckpt)
     else:
         policy = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     policy = grpo.disable_dropout(policy).to(device)

@@ -4,6 +4,9 @@ import os
 import sys
 
 
+# WHY: the repository root (grpo.py and the folders machinery/, recipe/, compare/), and tests/ for
+#      the helpers tests share (test_engine.tiny_gpt2, ...)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 

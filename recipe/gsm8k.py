@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpo
 import rewards
-from flags import InputError
+from recipe.flags import InputError, as_input_error
 
 GSM8K_SYSTEM_PROMPT = (
     "Solve the math problem step by step. "
@@ -85,7 +85,7 @@ def load_data(
     order set by seed), a local directory with train.jsonl and test.jsonl, or the hub
     ('openai/gsm8k')."""
     if data == "tiny":
-        import tiny_world
+        from recipe import tiny_world
         return (tiny_world.make_problems(n_train, "train", seed=seed + 1),
                 tiny_world.make_problems(eval_size, "test", seed=0))
     path = Path(data).expanduser()
@@ -210,8 +210,8 @@ def maj_and_pass(completions: list[str], row: dict, prompt: str = "") -> tuple[b
 def load_for_eval(name: str):
     """(model, tokenizer) of a hub id or a model folder; of a run's --out folder (its final/); or
     of a LoRA checkpoint: its adapters on the base model its adapter_config.json names, merged."""
-    import checkpoint
-    import lora
+    from recipe import checkpoint
+    from machinery import lora
     path = Path(name).expanduser()
     if (path / "final" / "config.json").exists():
         return checkpoint.load_pretrained(str(path / "final"), name)
@@ -221,7 +221,8 @@ def load_for_eval(name: str):
     if not base:
         raise InputError(f"--model {name}: a LoRA checkpoint that names no base model")
     model, tokenizer = checkpoint.load_pretrained(base, f"{base} (the base of {name})")
-    adapted = lora.peft_module().PeftModel.from_pretrained(model, str(path))
+    with as_input_error(lora.LoRAError):
+        adapted = lora.peft_module().PeftModel.from_pretrained(model, str(path))
     return lora.merged(adapted), tokenizer
 
 
@@ -231,7 +232,7 @@ def eval_command(argv: list[str]) -> dict:
     import torch
     from tqdm.auto import tqdm
 
-    import flags
+    from recipe import flags
     p = flags.OneLineParser(None, prog="train_gsm8k.py eval", description=(
         "Greedy accuracy, Maj@K (majority vote of K samples) and Pass@K (any of K right) on "
         "held-out problems, checked as training checks them (rewards.correctness_reward)."))
@@ -263,12 +264,12 @@ def eval_command(argv: list[str]) -> dict:
     if a.data == "tiny" and not a.limit:
         raise InputError("--data tiny generates its problems: give --limit N")
     _, rows = load_data(a.data, a.limit or 10**9, n_train=0, seed=0)
-    import checkpoint
+    from recipe import checkpoint
     device = checkpoint.device_of(a.device)
     model, tokenizer = load_for_eval(a.model)
     model = grpo.disable_dropout(model).to(device).eval()
     cfg = grpo.GRPOConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature)
-    import engine  # NOTE: the fast sampler; it draws grpo.decode's tokens
+    from machinery import engine  # NOTE: the fast sampler; it draws grpo.decode's tokens
     sample = engine.apply(engine.EngineConfig(), grpo.Seams(), grpo.eos_token_ids(model, tokenizer),
                           grpo.pad_token_id(model, tokenizer)).sample
     greedy = evaluate(model, tokenizer, rows, cfg, a.system_prompt, a.batch_size, "greedy",

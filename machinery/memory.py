@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import grpo
-import lora
-from engine import base_model
+from machinery import lora
+from machinery.engine import base_model
 
 
 @dataclass

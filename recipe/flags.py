@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import inspect
 import sys
@@ -28,6 +29,16 @@ from transformers import HfArgumentParser
 class InputError(Exception):
     """Bad input from the user (a flag, a data file, a model name): one line, exit code 2, nothing
     written. Raised here, by gsm8k.py's data checks and by checkpoint.py's model loading."""
+
+
+@contextlib.contextmanager
+def as_input_error(*errors: type[Exception]):
+    """An error of these types raised inside becomes InputError, with its own one line. WHY: the
+    machinery (machinery/lora.py) may not import the recipe, so it raises its own errors."""
+    try:
+        yield
+    except errors as e:
+        raise InputError(str(e)) from None
 
 
 class OneLineParser(HfArgumentParser):

@@ -5,7 +5,7 @@ The task here: reverse a string of three digits ("307" -> "703"). A randomly ini
 gets better at it from a partial-credit reward alone (mean reward from chance, 0.1, to about 0.4 in
 150 steps), offline, on a CPU, in about 15 seconds:
 
-    python own_task_example.py       # the reward every 25 steps, then a few greedy answers
+    python recipe/own_task_example.py       # the reward every 25 steps, then a few greedy answers
 
 To make it yours, change three things and keep the loop:
     1. make_rows():  your data, one dict per prompt: a "prompt" plus any columns your reward needs;
@@ -17,11 +17,15 @@ To make it yours, change three things and keep the loop:
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import torch
 
-import grpo
-import tiny_world
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # WHY: run as a script
+
+import grpo  # noqa: E402
+from recipe import tiny_world  # noqa: E402
 
 
 def make_rows(n: int, seed: int = 0) -> list[dict]:

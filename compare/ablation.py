@@ -36,7 +36,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # WHY: run as a script, the repository root is not on the path
 
 # name: (flags for train_gsm8k.py, what it is)
 VARIANTS = {
@@ -111,9 +112,9 @@ def sft_control_run(out: Path, seed: int, seconds: float, settings, threads: int
         return d
     import torch
 
-    import checkpoint
-    import gsm8k
-    import tiny_world
+    from recipe import checkpoint
+    from recipe import gsm8k
+    from recipe import tiny_world
     t, gcfg, name = settings  # WHY the run's own model name: the control starts from that model
     torch.set_num_threads(threads)
     torch.manual_seed(seed)

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-import flags
-from flags import InputError
+from recipe import flags
+from recipe.flags import InputError
 
 GiB = 2**30
 CUDA_RESERVE = GiB
@@ -394,7 +394,7 @@ def plan_command(argv: list[str], parse_args) -> dict:
     if tcfg.model:
         name, config = tcfg.model, load_config(tcfg.model)
     else:  # the tiny world's model, as tiny_world.warm_start builds it
-        import tiny_world
+        from recipe import tiny_world
         ws = tiny_world.WarmStartConfig()
         name = "the tiny world's model"
         config = tiny_world.tiny_llama(tiny_world.char_tokenizer(), hidden=ws.hidden,
