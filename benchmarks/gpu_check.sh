@@ -8,7 +8,7 @@
 # they print is collected in $OUT/gpu_check.jsonl, default OUT=runs/gpu_check, and all of them in
 # one summary, $OUT/gpu_check.json):
 #   1. the machine: GPU, torch, transformers, CUDA;
-#   2. compiled decoding (CUDA graphs) against the reference sampler, token for token, on tiny
+#   2. compiled decoding (CUDA graphs) against grpo.py's own sampler, token for token, on tiny
 #      Llama and Qwen2 models in fp32, and whether it fell back;
 #   3. decoding speed at Qwen2.5-0.5B's architecture in bf16: engine.decode against
 #      engine.decode_compiled, ms per token, and the compile seconds;
@@ -74,7 +74,7 @@ from vs_trl import build_model; build_model(Path('$OUT/model'), 64, 2, 4, '$ARCH
 step 4-qwen-preset python3 -c "import json, sys, train_gsm8k, torch; \
 s = train_gsm8k.main(sys.argv[1:]); print(json.dumps({'check': 'qwen-preset', \
 'accuracy_before': s['accuracy_before'], 'accuracy_after': s['accuracy_after'], \
-'wall_seconds': s['wall_seconds'], 'sampler': s['grpo_config']['sampler'], 'device': s['device'], \
+'wall_seconds': s['wall_seconds'], 'sampler': s['engine_config']['sampler'], 'device': s['device'], \
 'peak_gpu_mb': torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None}))" \
     --preset qwen2.5-0.5b --model "$OUT/model" --data tiny --device "$DEV" --compile on \
     --out "$OUT/qwen-preset" "${TRAIN[@]}"

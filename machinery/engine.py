@@ -135,8 +135,10 @@ def sdpa_full_attention(model) -> bool:
 
 
 def cache_kwarg(model) -> str:
-    """forward()'s KV-cache argument: `cache` in transformers 5, `past_key_values` in 4.x."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    """forward()'s KV-cache argument: `cache` in transformers 5, `past_key_values` in 4.x.
+    NOTE: a PEFT model's forward takes **kwargs and hands them on; its base model's decides."""
+    params = inspect.signature(base_model(model).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def enable_activation_checkpointing(model, enabled: bool = True):

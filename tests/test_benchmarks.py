@@ -134,7 +134,7 @@ def test_bad_group_size_is_a_one_line_error(script):
 @pytest.mark.slow
 def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
     """benchmarks/gpu_check.sh --dry-run: the GPU checks at toy sizes on this CPU, so the
-    script a lent GPU runs has run end to end first. Compiled decoding draws the reference
+    script a lent GPU runs has run end to end first. Compiled decoding draws grpo.py's own
     sampler's tokens here, without falling back; the Qwen preset trains with it on."""
     # WHY skip step 5 (vs_trl.py) here: test_vs_trl_reports_both_sides runs it already.
     env = {**os.environ, "OUT": str(tmp_path / "out"), "GPU_CHECK_SKIP": "5-vs-trl"}
