@@ -59,7 +59,8 @@ def reset_peak():
 def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads: int,
             beta: float = 0.04, gradient_checkpointing: bool = False, logprob_chunk: int = 0,
             lora_r: int = 0, baseline: str = "group", update_in_backward: bool = False,
-            lean_activations: bool = False, share_prompts: bool = True) -> dict:
+            lean_activations: bool = False, share_prompts: bool = True,
+            return_freed_memory: bool = False) -> dict:
     """Persistent memory by part and each phase's peak in step 2 of grpo_step, in MB.
     baseline='critic': PPO's step (ppo.Critic) instead, with its value model and AdamW state.
     update_in_backward: AdamW steps inside backward (memory.step_in_backward), which is then one
@@ -88,7 +89,7 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
                                lean_activations=lean_activations)
     engine.enable_activation_checkpointing(policy, gradient_checkpointing)
     memory.lean_activations(policy.train(), lean_activations)
-    if update_in_backward:  # NOTE: as train_gsm8k.py --return-freed-memory (docs/memory.md)
+    if return_freed_memory:  # NOTE: process-wide; only by its own flag, as train_gsm8k.py
         memory.return_freed_memory()
     out["weights_mb"] = status_mb("VmRSS") - out["baseline_mb"]
     cfg = grpo.GRPOConfig(group_size=group_size, max_new_tokens=tokens, beta=beta, lr=1e-4,
@@ -213,6 +214,10 @@ def main(argv=None):
                    help="'critic': PPO's step with its value model (ppo.py) instead of GRPO's")
     p.add_argument("--update-in-backward", action="store_true",
                    help="AdamW steps each weight inside backward (memory.step_in_backward)")
+    p.add_argument("--return-freed-memory", action="store_true",
+                   help="glibc gives freed blocks of 1 MB or more back at once "
+                        "(memory.return_freed_memory, process-wide; pairs with "
+                        "--update-in-backward)")
     p.add_argument("--lean-activations", action="store_true",
                    help="SwiGLU MLPs and RMSNorms keep fewer activations for backward "
                         "(memory.lean_activations)")
@@ -245,7 +250,8 @@ def main(argv=None):
         with contextlib.redirect_stdout(sys.stderr):
             res = measure(a.worker, a.group_size, a.prompts, a.tokens, a.threads, a.beta,
                           a.gradient_checkpointing, a.logprob_chunk, a.lora_r, a.baseline,
-                          a.update_in_backward, a.lean_activations, a.share_prompts)
+                          a.update_in_backward, a.lean_activations, a.share_prompts,
+                          a.return_freed_memory)
         print(json.dumps(res))
         return res
     # WHY a fresh process: building the model here leaves freed memory behind in this one, which

@@ -125,7 +125,8 @@ def grpo_config(a):
             memory.MemoryConfig(update_in_backward=a.update_in_backward,
                                 logprob_chunk=a.logprob_chunk,
                                 lean_activations=a.lean_activations,
-                                gradient_checkpointing=a.gradient_checkpointing))
+                                gradient_checkpointing=a.gradient_checkpointing,
+                                return_freed_memory=a.return_freed_memory))
 
 
 def max_dropout(model) -> float:
@@ -197,9 +198,7 @@ def run_ours(a) -> dict:
     engine.enable_activation_checkpointing(policy, mcfg.gradient_checkpointing)
     memory.lean_activations(policy.train(), mcfg.lean_activations)
     engine.compile_layers(ecfg, mcfg.update_in_backward, policy, ref)  # --compile on
-    if mcfg.update_in_backward:
-        # NOTE: as before this switch had its own flag, stepping inside backward runs with glibc
-        #       giving freed blocks back (docs/memory.md); train_gsm8k.py: --return-freed-memory.
+    if mcfg.return_freed_memory:  # NOTE: process-wide; only by its own flag, as train_gsm8k.py
         memory.return_freed_memory()
     opt = grpo.make_optimizer(policy, cfg)
     rows = rows_for(a.steps * a.prompts)
@@ -275,7 +274,8 @@ def worker_cmd(a, side: str, model_dir: Path) -> list[str]:
               "num_iterations", "lr", "device", "compile", "logprob_chunk"):
         flags += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     switches = [f"--{k.replace('_', '-')}" for k in ("bf16", "gradient_checkpointing",
-                                                     "update_in_backward", "lean_activations")
+                                                     "update_in_backward", "lean_activations",
+                                                     "return_freed_memory")
                 if getattr(a, k)]
     switches += [] if a.share_prompts else ["--no-share-prompts"]
     return [sys.executable, __file__, *flags, *switches]
@@ -326,6 +326,10 @@ def main(argv=None):
                    help="our side only: AdamW steps each weight inside backward, so the "
                         "gradients never exist together (memory.step_in_backward): the same "
                         "update, a second backward pass, less memory (default off)")
+    p.add_argument("--return-freed-memory", action="store_true",
+                   help="our side only: glibc gives freed blocks of 1 MB or more back at once "
+                        "(memory.return_freed_memory, process-wide; pairs with "
+                        "--update-in-backward, docs/memory.md; default off)")
     p.add_argument("--logprob-chunk", type=int, default=0,
                    help="our side only: log-probs through the output layer this many tokens at "
                         "a time (memory.py), the same numbers without a micro-batch's whole "
@@ -420,6 +424,7 @@ def main(argv=None):
         # NOTE: how our side computes the same update, not a setting of the work: left out of
         #       settings_differ on purpose.
         "ours_update_in_backward": a.update_in_backward, "ours_logprob_chunk": a.logprob_chunk,
+        "ours_return_freed_memory": a.return_freed_memory,
         "ours_lean_activations": a.lean_activations, "ours_share_prompts": a.share_prompts,
         "malloc_mmap_threshold": a.malloc_mmap_threshold or "glibc default",
         "threads": a.threads, "rounds": a.rounds, "steps_per_round": a.steps, "warmup": a.warmup,
