@@ -502,7 +502,7 @@ size, and it saved 0.4 to 1.6 ms per decode step in two runs of gpu_check.py spe
 def sampler_for(compile_mode: str, sampler: str, decode_steps: int) -> str:
     """EngineConfig.sampler for a run: 'compiled' in place of the default 'engine' when
     --compile is on, or auto with at least AUTO_COMPILE_DECODE_STEPS decode steps ahead; 'engine'
-    in place of 'compiled' when it is off (a resumed run can turn it off). 'reference' stays."""
+    in place of 'compiled' when it is off (a resumed run can turn it off). 'plain' stays."""
     if compile_mode == "off":
         return "engine" if sampler == "compiled" else sampler
     on = compile_mode == "on" or decode_steps >= AUTO_COMPILE_DECODE_STEPS

@@ -319,7 +319,7 @@ def no_fallback(capsys):
 @pytest.mark.parametrize("arch", COMPILED_ARCHS)
 def test_compiled_decoding_draws_the_reference_samplers_tokens(tiny, compiled_models, arch,
                                                                capsys):
-    """Same seed: engine.decode_compiled gives exactly grpo.reference_decode's tokens, masks and
+    """Same seed: engine.decode_compiled gives exactly grpo.decode's tokens, masks and
     texts, sampled at two temperatures and greedy with a length floor, and with early EOS: the
     EOS ids are set to the three tokens these random models draw most, so most rows stop early
     and the static cache's rows go on past their end. Every setting shares one shape (one
@@ -349,7 +349,7 @@ def test_compiled_decoding_draws_the_reference_samplers_tokens(tiny, compiled_mo
 @pytest.mark.parametrize("arch", COMPILED_ARCHS)
 def test_compiled_decoding_hands_draw_tokens_the_reference_logits(tiny, compiled_models, arch,
                                                                   monkeypatch, capsys):
-    """The compiled step's logits at every step are the reference sampler's, within float
+    """The compiled step's logits at every step are the uncached sampler's, within float
     tolerance: this pins the static cache's slots, the mask and the position ids, which a token
     check on a random model can miss (a stale position id changes no Llama token here)."""
     assert_same_logits_as_the_reference(compiled_models[arch], tiny[0], "compiled", monkeypatch)
