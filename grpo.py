@@ -182,7 +182,10 @@ class GRPOConfig:
 
 # WHY: nanoGPT's model.py is plain PyTorch, and train.py makes it fast from outside. Here the
 #      outside hands grpo_step a Seams: each field None runs this file's own code; a function put
-#      there runs instead, with the same arguments and results. Five seams, no branch per trick.
+#      there runs instead, taking the same arguments and returning the same kind of result. Five
+#      seams, no branch per trick. sample, score and update are for speed and memory (engine.py,
+#      memory.py): tested to give this file's numbers. advantages and surrogate are for the
+#      methods GRPO is compared with (baselines.py): they change the math, on purpose.
 @dataclass
 class Seams:
     """The parts of a step that code outside grpo.py may replace. None: this file's own."""

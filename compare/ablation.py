@@ -101,7 +101,10 @@ def settings_of(d: Path) -> tuple:
     summary.json."""
     import grpo
     summary = json.loads((d / "summary.json").read_text())
-    return summary["train_config"], grpo.GRPOConfig(**summary["grpo_config"]), summary["model"]
+    # NOTE: a run saved before GRPOConfig shed its machinery fields keeps only the ones it has now
+    fields = grpo.GRPOConfig.__dataclass_fields__
+    gcfg = grpo.GRPOConfig(**{k: v for k, v in summary["grpo_config"].items() if k in fields})
+    return summary["train_config"], gcfg, summary["model"]
 
 
 def sft_control_run(out: Path, seed: int, seconds: float, settings, threads: int) -> Path:
@@ -123,9 +126,14 @@ def sft_control_run(out: Path, seed: int, seconds: float, settings, threads: int
     model, tok = checkpoint.load_pretrained(str(tiny_world.warm_start(ws, log=lambda *a: None)))
     _, eval_rows = gsm8k.load_data("tiny", t["eval_size"], n_train=1)
 
+    import grpo
+    from machinery import engine  # WHY: the sampler a GRPO run's own evaluation uses
+    sample = engine.apply(engine.EngineConfig(), grpo.Seams(), grpo.eos_token_ids(model, tok),
+                          grpo.pad_token_id(model, tok)).sample
+
     def evaluate(desc):
         return gsm8k.evaluate(model, tok, eval_rows, gcfg, t["system_prompt"],
-                              t["eval_batch_size"], desc=desc)
+                              t["eval_batch_size"], desc=desc, sample=sample)
 
     before, start = evaluate("eval before"), time.perf_counter()
     steps = tiny_world.more_supervised_steps(model, tok, seconds, ws, seed=seed)

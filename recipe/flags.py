@@ -109,14 +109,18 @@ def parse_configs(argv, configs, presets: dict, may_change: set[str], saved_stat
     first.add_argument("--resume", default="")
     known = first.parse_known_args(argv)[0]
     state = saved_state(Path(known.resume)) if known.resume else {}
-    # WHY: a run saved before a dataclass existed resumes with that dataclass's defaults.
-    saved = ([state.get(key) or dataclasses.asdict(cls()) for cls, key, _ in configs] if state
+    # WHY by field name, from every saved config: a run saved before a field moved to another
+    #     dataclass (gradient_checkpointing into MemoryConfig, say) resumes with its own value,
+    #     and a field it never had takes its default.
+    flat = {k: v for _, key, _ in configs for k, v in (state.get(key) or {}).items()}
+    saved = ([{f.name: flat[f.name] for f in dataclasses.fields(cls) if f.name in flat}
+              for cls, _, _ in configs] if state
              else list(presets.get(known.preset, ())) + [{}] * len(configs))[:len(configs)]
     parser = flag_parser([(cls, over, title) for (cls, _, title), over in zip(configs, saved)],
                          presets, description, choices)
     args = vars(parser.parse_args(argv))
     if state:
-        refuse_changes(args, {k: v for over in saved for k, v in over.items()}, may_change)
+        refuse_changes({k: v for k, v in args.items() if k in flat}, flat, may_change)
     try:
         return [cls(**{f.name: args[f.name] for f in dataclasses.fields(cls)})
                 for cls, _, _ in configs]

@@ -147,3 +147,27 @@ def test_plain_refuses_a_speed_or_memory_switch(switch):
     with pytest.raises(train_gsm8k.InputError, match="--plain runs grpo.py's own code alone"):
         train_gsm8k.parse_args(["--plain", *switch])
     assert train_gsm8k.parse_args(["--plain", "--compile", "off"])[0].plain
+
+
+def test_a_run_saved_before_the_machinery_moved_out_resumes_with_its_own_settings(tmp_path):
+    """A checkpoint whose settings put sampler, share_prompts and logprob_chunk in grpo_config,
+    baseline there too, and gradient_checkpointing in train_config (the layout before
+    EngineConfig, MemoryConfig and BaselineConfig): --resume reads each field by name wherever
+    it was saved, and a field the run never had (--plain) takes its default. The bug it catches:
+    such a run resuming with the new configs' defaults, or refused for a field it never had."""
+    import json
+    ckpt = tmp_path / "run" / "checkpoint-000002"
+    ckpt.mkdir(parents=True)
+    old = {"train_config": {"preset": "tiny", "steps": 4, "gradient_checkpointing": True},
+           "grpo_config": {"group_size": 4, "sampler": "compiled", "share_prompts": False,
+                           "logprob_chunk": 64, "baseline": "leave_one_out", "lr": 2e-4},
+           "ppo_config": {"lam": 0.9}}
+    (ckpt / "state.json").write_text(json.dumps(old))
+    tcfg, gcfg, pcfg, ecfg, mcfg, bcfg = train_gsm8k.parse_args(
+        ["--resume", str(tmp_path / "run"), "--steps", "6"])
+    assert (tcfg.steps, tcfg.plain, gcfg.group_size, gcfg.lr, pcfg.lam) == (6, False, 4, 2e-4, 0.9)
+    assert (ecfg.sampler, ecfg.share_prompts) == ("compiled", False)
+    assert (mcfg.gradient_checkpointing, mcfg.logprob_chunk) == (True, 64)
+    assert bcfg.baseline == "leave_one_out"
+    with pytest.raises(train_gsm8k.InputError, match="--logprob-chunk was 64 there"):
+        train_gsm8k.parse_args(["--resume", str(tmp_path / "run"), "--logprob-chunk", "0"])
