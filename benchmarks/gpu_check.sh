@@ -20,17 +20,21 @@
 #      weights), its peak GPU memory against recipe/planner.py's prediction;
 #   7. the tiny preset (train_gsm8k.py, the default run) on CUDA for 50 steps.
 # GPU_CHECK_SKIP="5-vs-trl ..." leaves out the steps it names.
+# $PYTHON picks the interpreter (default: python3 on PATH).
 # Offline GPU machines lack TRL (and may hold an older transformers): wheels in .whl/ are installed
 # to /tmp/site first when that folder exists. docs/speed.md gives the pip download line.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# WHY: the interpreter the caller names ($PYTHON), else python3 on PATH: in a virtualenv, PATH's
+#      python3 may be another interpreter than the one whose packages were set up.
+PY="${PYTHON:-python3}"
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
 OUT="${OUT:-runs/gpu_check}"
 mkdir -p "$OUT"
 : > "$OUT/gpu_check.jsonl"
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -66,26 +70,26 @@ step() {  # step NAME COMMAND...: run it under the time limit, keep its log and 
     fi
 }
 
-step 1-machine python3 benchmarks/gpu_check.py machine --device "$DEV"
-step 2-tokens python3 benchmarks/gpu_check.py tokens --device "$DEV"
-step 3-speed python3 benchmarks/gpu_check.py speed --device "$DEV" --arch "$ARCH" "${SPEED[@]}"
-python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
+step 1-machine "$PY" benchmarks/gpu_check.py machine --device "$DEV"
+step 2-tokens "$PY" benchmarks/gpu_check.py tokens --device "$DEV"
+step 3-speed "$PY" benchmarks/gpu_check.py speed --device "$DEV" --arch "$ARCH" "${SPEED[@]}"
+"$PY" -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
 from vs_trl import build_model; build_model(Path('$OUT/model'), 64, 2, 4, '$ARCH')"
-step 4-qwen-preset python3 -c "import json, sys, train_gsm8k, torch; \
+step 4-qwen-preset "$PY" -c "import json, sys, train_gsm8k, torch; \
 s = train_gsm8k.main(sys.argv[1:]); print(json.dumps({'check': 'qwen-preset', \
 'accuracy_before': s['accuracy_before'], 'accuracy_after': s['accuracy_after'], \
 'wall_seconds': s['wall_seconds'], 'sampler': s['engine_config']['sampler'], 'device': s['device'], \
 'peak_gpu_mb': torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None}))" \
     --preset qwen2.5-0.5b --model "$OUT/model" --data tiny --device "$DEV" --compile on \
     --out "$OUT/qwen-preset" "${TRAIN[@]}"
-step 5-vs-trl python3 benchmarks/vs_trl.py --arch "$ARCH" --device "$DEV" "${TRL[@]}"
-step 6-lora-7b python3 benchmarks/gpu_check.py lora-step --device "$DEV" "${LORA[@]}"
-step 7-tiny-preset python3 -c "import json, sys, train_gsm8k; s = train_gsm8k.main(sys.argv[1:]); \
+step 5-vs-trl "$PY" benchmarks/vs_trl.py --arch "$ARCH" --device "$DEV" "${TRL[@]}"
+step 6-lora-7b "$PY" benchmarks/gpu_check.py lora-step --device "$DEV" "${LORA[@]}"
+step 7-tiny-preset "$PY" -c "import json, sys, train_gsm8k; s = train_gsm8k.main(sys.argv[1:]); \
 print(json.dumps({'check': 'tiny-preset', 'accuracy_before': s['accuracy_before'], \
 'accuracy_after': s['accuracy_after'], 'steps': s['steps'], 'wall_seconds': s['wall_seconds'], \
 'device': s['device']}))" --device "$DEV" --out "$OUT/tiny-preset" "${TINY[@]}"
 rm -rf "$OUT/model" "$OUT"/*-preset/checkpoint-* "$OUT"/*-preset/final
-python3 -c "import json, sys; rows = [json.loads(l) for l in open(sys.argv[1])]; \
+"$PY" -c "import json, sys; rows = [json.loads(l) for l in open(sys.argv[1])]; \
 json.dump({'dry_run': sys.argv[3] == '1', 'failed': any(r.get('failed') for r in rows), \
 'checks': rows}, open(sys.argv[2], 'w'), indent=1)" \
     "$OUT/gpu_check.jsonl" "$OUT/gpu_check.json" "$DRY"

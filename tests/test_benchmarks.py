@@ -137,7 +137,14 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
     script a lent GPU runs has run end to end first. Compiled decoding draws grpo.py's own
     sampler's tokens here, without falling back; the Qwen preset trains with it on."""
     # WHY skip step 5 (vs_trl.py) here: test_vs_trl_reports_both_sides runs it already.
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "GPU_CHECK_SKIP": "5-vs-trl"}
+    # WHY a broken python3 first on PATH: as in a virtualenv whose python3 is another
+    #     interpreter, the script must run the one $PYTHON names (this test's own).
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text("#!/bin/sh\necho 'the wrong python3' >&2\nexit 3\n")
+    (fake / "python3").chmod(0o755)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "GPU_CHECK_SKIP": "5-vs-trl",
+           "PYTHON": sys.executable, "PATH": f"{fake}:{os.environ['PATH']}"}
     proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run"], capture_output=True,
                           text=True, cwd=ROOT, env=env, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
