@@ -318,8 +318,9 @@ def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig, gr
                     add_special_tokens=False)
     prompt_ids, prompt_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
     eos_ids, pad_id = eos_token_ids(model, tokenizer), pad_token_id(model, tokenizer)
-    pick = functools.partial(draw_tokens, eos=torch.tensor(eos_ids, device=device), pad_id=pad_id,
-                             temperature=cfg.temperature, greedy=greedy)
+    eos = torch.tensor(eos_ids, device=device)                                        # (E,)
+    pick = functools.partial(draw_tokens, eos=eos, pad_id=pad_id, temperature=cfg.temperature,
+                             greedy=greedy)
     # WHY eval mode: under gradient checkpointing, train mode turns the KV cache off.
     training = model.training
     model.eval()
@@ -334,7 +335,7 @@ def sample_completions(model, tokenizer, prompts: list[str], cfg: GRPOConfig, gr
     kept = completion_ids * completion_mask + pad_id * (1 - completion_mask)          # (N, T)
     texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
     # A completion with no EOS at all stopped because it hit max_new_tokens.
-    truncated = ~torch.isin(completion_ids, torch.tensor(eos_ids, device=device)).any(1)  # (N,)
+    truncated = ~torch.isin(completion_ids, eos).any(1)                               # (N,)
     return dict(prompt_ids=prompt_ids.repeat_interleave(G, 0),                        # (N, P)
                 prompt_mask=prompt_mask.repeat_interleave(G, 0),                      # (N, P)
                 completion_ids=completion_ids, completion_mask=completion_mask,       # (N, T)
@@ -474,11 +475,8 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
           distribution that drew the tokens; at any temperature but 1 that is not the raw softmax.
     """
     T = completion_ids.shape[1]
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)                        # (n, P+T)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)                 # (n, P+T)
-    # WHY: sampling numbers positions from the first real token of a left-padded prompt; so must
-    #      we, or models with absolute position embeddings would score a different sequence.
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)                        # (n, P+T)
+    input_ids, attention_mask, position_ids = joined_sequences(                      # (n, P+T) x3
+        prompt_ids, prompt_mask, completion_ids, completion_mask)
     # WHY (memory): logits for the last T+1 positions only, where the model can skip the rest.
     keep = ({"logits_to_keep": T + 1}
             if "logits_to_keep" in inspect.signature(model.forward).parameters else {})
@@ -487,6 +485,16 @@ def token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_ma
     # NOTE: the logit at position t predicts token t+1: the completion's are one to the left.
     return logprobs_of(out.logits[:, -(T + 1):-1, :], completion_ids, temperature,  # (n, T, V)
                        with_entropy)
+
+
+def joined_sequences(prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """Prompts and completions as whole sequences: (n, P), (n, T) -> input_ids, attention_mask,
+    position_ids, each (n, P+T). Every scorer of step 4 feeds the model these."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)                        # (n, P+T)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)                 # (n, P+T)
+    # WHY: sampling numbers positions from the first real token of a left-padded prompt; so must
+    #      we, or models with absolute position embeddings would score a different sequence.
+    return input_ids, attention_mask, (attention_mask.cumsum(1) - 1).clamp(min=0)     # (n, P+T)
 
 
 def logprobs_of(logits, completion_ids, temperature: float, with_entropy: bool):

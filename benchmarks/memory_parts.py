@@ -160,7 +160,7 @@ def measure(model_dir: str, group_size: int, prompts: int, tokens: int, threads:
                                    update_in_backward=update_in_backward,
                                    lean_activations=lean_activations, logprob_chunk=logprob_chunk,
                                    share_prompts=share_prompts)
-    plan = planner.step_memory(planner.model_shape(lora.unwrap(policy).config), settings,
+    plan = planner.step_memory(planner.model_shape(engine.base_model(policy).config), settings,
                                critic=critic is not None)
     out.update(planned_peak_mb=plan["peak"] / 2**20, planned_phase=plan["peak_phase"],
                plan_error=out["peak_over_baseline_mb"] / (plan["peak"] / 2**20) - 1)

@@ -82,9 +82,8 @@ class ValueModel(torch.nn.Module):
         """V(s_t) for each completion token t, the state before o_t is drawn: (n, P), (n, T) ->
         (n, T). The state before token t ends at position P+t-1, as its logit does."""
         P, T = prompt_ids.shape[1], completion_ids.shape[1]
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)                    # (n, P+T)
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)             # (n, P+T)
-        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)                    # (n, P+T)
+        input_ids, attention_mask, position_ids = grpo.joined_sequences(              # (n, P+T) x3
+            prompt_ids, prompt_mask, completion_ids, completion_mask)
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
                                position_ids=position_ids, use_cache=False).last_hidden_state
         states = hidden[:, P - 1:P + T - 1]                                           # (n, T, H)
@@ -202,7 +201,7 @@ class Critic:
         update = grpo.policy_update(policy, optimizer, batch, logp_old, None,
                                     dataclasses.replace(cfg, beta=0.0), seams)
         # NOTE: logged as GRPO logs it (k3 of π_ref against π_old), so the two runs compare.
-        k3 = torch.exp(ref - old) - (ref - old) - 1                                   # (N, T)
+        k3 = grpo.k3_kl(old, ref)                                                     # (N, T)
         update["kl"] = ((k3 * mask).sum() / mask.sum().clamp(min=1)).item()
         update.update(self.value_update(batch, values_old, returns, cfg))
         metrics = {**grpo.step_metrics(batch, [batch], update, cfg),

@@ -482,8 +482,8 @@ def shared_token_logprobs(model, prompt_ids, prompt_mask, completion_ids, comple
     the same results to float rounding. Where shared_logits steps aside, grpo.token_logprobs runs.
     (n, P), (n, T) -> logp (n, T) [, entropy (n, T)]."""
     T = completion_ids.shape[1]
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)                        # (n, P+T)
-    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)                 # (n, P+T)
+    input_ids, attention_mask, _ = grpo.joined_sequences(prompt_ids, prompt_mask, completion_ids,
+                                                         completion_mask)             # (n, P+T)
     logits = shared_logits(model, input_ids, attention_mask, T)                  # (n, T, V) or None
     if logits is None:
         return grpo.token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,

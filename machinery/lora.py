@@ -66,12 +66,6 @@ def add_adapters(model, r: int, alpha: float, targets: str = DEFAULT_TARGETS,
         raise LoRAError(f"--lora-target-modules {targets}: {str(e).splitlines()[0]}") from None
 
 
-def unwrap(model):
-    """The transformers model inside a PEFT wrapper, or `model` itself. NOTE: the LoRA layers are
-    inside it, so they still run (and switch off) when it is called directly."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def is_lora(model) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 

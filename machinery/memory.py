@@ -88,11 +88,10 @@ def chunked_scorer(chunk: int):
     tokens at a time (token_logprobs_chunked)."""
     def score(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
               temperature: float = 1.0, with_entropy: bool = False):
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)                    # (n, P+T)
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)             # (n, P+T)
-        position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)                    # (n, P+T)
-        return token_logprobs_chunked(model, input_ids, attention_mask, position_ids,
-                                      completion_ids, temperature, with_entropy, chunk)
+        inputs = grpo.joined_sequences(prompt_ids, prompt_mask, completion_ids,
+                                       completion_mask)                               # (n, P+T) x3
+        return token_logprobs_chunked(model, *inputs, completion_ids, temperature, with_entropy,
+                                      chunk)
     return score
 
 
