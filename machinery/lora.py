@@ -22,6 +22,8 @@ peft is an optional dependency (pip install peft); without it, --lora-r fails wi
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from pathlib import Path
 
 import torch
@@ -61,9 +63,26 @@ def add_adapters(model, r: int, alpha: float, targets: str = DEFAULT_TARGETS,
     config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=names, lora_dropout=0.0,
                              task_type="CAUSAL_LM")
     try:
-        return peft.get_peft_model(model, config)
+        with quiet_peft():
+            return peft.get_peft_model(model, config)
     except ValueError as e:  # e.g. a target module name the model does not have
         raise LoRAError(f"--lora-target-modules {targets}: {str(e).splitlines()[0]}") from None
+
+
+def adapters_from(model, adapter_dir: str):
+    """A saved adapter folder's LoRA adapters on `model` (peft.PeftModel.from_pretrained)."""
+    with quiet_peft():
+        return peft_module().PeftModel.from_pretrained(model, adapter_dir)
+
+
+@contextlib.contextmanager
+def quiet_peft():
+    """Silence the one transformers deprecation that PEFT's own code triggers: PeftModel reads
+    `is_gradient_checkpointing`, which transformers 5 renamed (is_activation_checkpointing)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        yield
 
 
 def is_lora(model) -> bool:

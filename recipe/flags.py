@@ -99,23 +99,28 @@ def flag_parser(configs: list[tuple[type, dict, str]], presets: dict[str, tuple[
 
 
 def parse_configs(argv, configs, presets: dict, may_change: set[str], saved_state, choices: dict,
-                  description: str) -> list:
+                  description: str, preset_for=None) -> list:
     """One instance of each dataclass in `configs` ([(class, state key, --help title)]) from argv.
     Flags override the preset (--preset NAME: {name: (overrides of each class, in order)}), which
-    overrides the field defaults. --resume DIR: saved_state(DIR)'s settings instead of a preset's,
-    and a flag outside `may_change` that differs from them is refused."""
+    overrides the field defaults. Without --preset: preset_for(--model)'s, else the first class's
+    default. --resume DIR: saved_state(DIR)'s settings instead of a preset's, and a flag outside
+    `may_change` that differs from them is refused."""
     first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # WHY: defaults hang on it
-    first.add_argument("--preset", default=configs[0][0].preset)
+    first.add_argument("--preset", default=None)
+    first.add_argument("--model", default="")
     first.add_argument("--resume", default="")
     known = first.parse_known_args(argv)[0]
+    known.preset = known.preset or (preset_for(known.model) if preset_for
+                                    else configs[0][0].preset)
     state = saved_state(Path(known.resume)) if known.resume else {}
     # WHY by field name, from every saved config: a run saved before a field moved to another
     #     dataclass (gradient_checkpointing into MemoryConfig, say) resumes with its own value,
     #     and a field it never had takes its default.
     flat = {k: v for _, key, _ in configs for k, v in (state.get(key) or {}).items()}
+    overrides = list(presets.get(known.preset, ())) + [{}] * len(configs)
+    overrides[0] = {"preset": known.preset, **overrides[0]}     # WHY: the name the run records
     saved = ([{f.name: flat[f.name] for f in dataclasses.fields(cls) if f.name in flat}
-              for cls, _, _ in configs] if state
-             else list(presets.get(known.preset, ())) + [{}] * len(configs))[:len(configs)]
+              for cls, _, _ in configs] if state else overrides)[:len(configs)]
     parser = flag_parser([(cls, over, title) for (cls, _, title), over in zip(configs, saved)],
                          presets, description, choices)
     args = vars(parser.parse_args(argv))

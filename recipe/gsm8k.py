@@ -222,7 +222,7 @@ def load_for_eval(name: str):
         raise InputError(f"--model {name}: a LoRA checkpoint that names no base model")
     model, tokenizer = checkpoint.load_pretrained(base, f"{base} (the base of {name})")
     with as_input_error(lora.LoRAError):
-        adapted = lora.peft_module().PeftModel.from_pretrained(model, str(path))
+        adapted = lora.adapters_from(model, str(path))
     return lora.merged(adapted), tokenizer
 
 
@@ -246,7 +246,8 @@ def eval_command(argv: list[str]) -> dict:
     p.add_argument("--limit", type=int, default=0, help="the first N problems (0, default: all)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="completion cap (512)")
     p.add_argument("--temperature", type=float, default=1.0, help="for the K samples (1.0)")
-    p.add_argument("--batch-size", type=int, default=64, help="sequences per batch (64)")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="sequences decoded at once (32): memory grows with it, see `plan`")
     p.add_argument("--system-prompt", default=GSM8K_SYSTEM_PROMPT,
                    help="system message for chat models (default: the training one)")
     p.add_argument("--template", choices=TEMPLATES, default="plain",

@@ -117,6 +117,7 @@ class StepSettings:
     share_prompts: bool = True
     lora_r: int = 0
     lora_target_modules: str = "all-linear"
+    eval_batch_size: int = 64
 
 
 def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dict:
@@ -149,8 +150,11 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
         "weights": shape.params * base_bytes + lora_p * 4,
         "gradients": trainable * 4,
         "optimizer": trainable * 8,                        # AdamW: exp_avg, exp_avg_sq in fp32
-        # WHY 0 with LoRA: π_ref is the base, adapters off (lora.AdaptersOff)
-        "reference": 0 if (s.beta == 0 or s.lora_r) else shape.params * (2 if s.bf16 else 4),
+        # WHY 0 with LoRA: π_ref is the base, adapters off (lora.AdaptersOff); under bf16 its
+        #     Linear weights are bf16, a tied output layer's and the rest fp32 (bf16_reference)
+        "reference": 0 if (s.beta == 0 or s.lora_r) else 4 * shape.params - (
+            2 * (shape.linear_params - (0 if shape.head_params else shape.embed_params))
+            if s.bf16 else 0),
         # NOTE: autocast keeps a bf16 copy of each fp32 weight it casts until the step's end
         "autocast copies": (2 * (lora_p if s.lora_r else shape.linear_params) if s.bf16 else 0),
     }
@@ -229,8 +233,28 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
     persistent = sum(parts[k] for k in ("weights", "reference", "optimizer", "critic weights",
                                         "critic optimizer") if k in parts)
     peak_phase = max(phases, key=phases.get)
+    # NOTE: the held-out evaluation runs between steps, beside the persistent parts
     return {"parts": parts, "phases": phases, "persistent": persistent, "peak_phase": peak_phase,
-            "peak": persistent + phases[peak_phase]}
+            "peak": persistent + phases[peak_phase], "evaluation": eval_memory(shape, s),
+            "eval_command": shape.params * 4 + eval_memory(shape, s)}
+
+
+def eval_memory(shape: ModelShape, s: StepSettings) -> int:
+    """Bytes the held-out evaluation adds to the weights: greedy decoding of eval_batch_size
+    prompts at once (gsm8k.evaluate; `train_gsm8k.py eval` with --batch-size), through engine's
+    sampler. Its parts:
+        KV cache      every row's keys and values for prompt + completion, one buffer
+                      (engine.in_place_cache), in the compute dtype
+        prefill       one block's no-grad temporaries over all prompt tokens at once: q, k, v,
+                      the attention output, the MLP's gate, up and their product (fp32, as on
+                      a CPU; fitted as 6 h + 4 i floats a token), the attention scores
+        logits        the last position's, fp32, and their softmax
+    Measured against `train_gsm8k.py eval` on SmolLM2-135M (docs/real_model.md)."""
+    rows, P, T = s.eval_batch_size, s.prompt_tokens, s.max_new_tokens
+    dtype = 2 if s.bf16 else 4
+    kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * (P + T) * rows * dtype
+    prefill = rows * P * (4 * (6 * shape.hidden + 4 * shape.ffn) + 4 * shape.heads * P)
+    return kv + prefill + 2 * rows * shape.vocab * 4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -302,7 +326,17 @@ def fixes(shape: ModelShape, s: StepSettings, gpu_gb: float, critic: bool) -> li
 def load_config(name: str):
     """A transformers config from a hub id, a local model folder or a config.json file."""
     from transformers import AutoConfig
+
+    from recipe import checkpoint
     path = Path(name).expanduser()
+    gguf = (path if name.endswith(".gguf")
+            else checkpoint.offline_copy(name) if name in checkpoint.OFFLINE_COPIES else None)
+    if gguf:  # NOTE: a GGUF file's own metadata (transformers reads it with the gguf package)
+        try:
+            return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        except (OSError, ValueError, ImportError) as e:
+            raise InputError(f"--model {name}: cannot read its config: "
+                             f"{str(e).strip().splitlines()[0]}") from None
     if (path.exists() or name.startswith((".", "/", "~")) or name.endswith(".json")
             or name.count("/") > 1) and not (path / "config.json").exists() and not path.is_file():
         raise InputError(f"--model {name}: no config.json there (give a hub id, a model folder "
@@ -338,6 +372,11 @@ def plan(shape: ModelShape, s: StepSettings, gpu_gb: float) -> dict:
     return out
 
 
+def eval_peak(res: dict) -> float:
+    """Bytes while the held-out evaluation runs in training: the persistent parts and its own."""
+    return res["persistent"] + res["evaluation"]
+
+
 def render(name: str, shape: ModelShape, s: StepSettings, gpu_gb: float, res: dict) -> str:
     """The plan as a table (GiB) and one verdict line per method."""
     gib = lambda b: f"{b / GiB:.2f}"  # noqa: E731
@@ -360,7 +399,12 @@ def render(name: str, shape: ModelShape, s: StepSettings, gpu_gb: float, res: di
     lines.append(f"| with the CUDA allowance ({gib(CUDA_RESERVE)}) | "
                  f"{gib(res['GRPO']['peak'] + CUDA_RESERVE)} | "
                  f"{gib(res[PPO_CRITIC]['peak'] + CUDA_RESERVE)} |")
+    lines.append(f"| evaluation between steps (persistent parts + greedy decoding of "
+                 f"{s.eval_batch_size} prompts) | {gib(eval_peak(res['GRPO']))} | "
+                 f"{gib(eval_peak(res[PPO_CRITIC]))} |")
     lines.append("")
+    lines.append(f"`train_gsm8k.py eval --batch-size {s.eval_batch_size}` alone (fp32 weights + "
+                 f"its decoding): {gib(res['GRPO']['eval_command'])} GiB")
     for method, r in res.items():
         verdict = "fits" if r["fits"] else "does not fit"
         fix = ("" if r["fits"] else
@@ -406,7 +450,9 @@ def plan_command(argv: list[str], parse_args) -> dict:
            "parameters": shape.params, "settings": asdict(s),
            **{m: {"parts_bytes": r["parts"], "phases_bytes": r["phases"],
                   "peak_phase": r["peak_phase"], "total_bytes": r["peak"], "fits": r["fits"],
-                  "flags_to_fit": r["fix"]} for m, r in res.items()}}
+                  "flags_to_fit": r["fix"], "evaluation_bytes": eval_peak(r)}
+              for m, r in res.items()},
+           "eval_command_bytes": res["GRPO"]["eval_command"]}
     print(json.dumps(out) if a.json else render(name, shape, s, a.gpu_gb, res))
     return out
 

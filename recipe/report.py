@@ -84,6 +84,12 @@ HEALTH = [  # (name, metric, holds(window mean, the first window's mean), messag
     ("KL blow-up", "kl", lambda v, first: v > 1.0,
      "KL to the reference is {:.2f} (healthy runs stay well under 0.1): lower --lr, or raise "
      "--beta"),
+    # WHY 2%: in fp32 the sampler and the trainer agree to 1e-5 (0% outside); bf16 logits put
+    #     5-7% of SmolLM2-135M's tokens outside (docs/real_model.md)
+    ("sampler mismatch", "sampling/ratio_outside_0.9_1.1", lambda v, first: v > 0.02,
+     "{:.1%} of tokens are scored with a probability more than 10% away from the one they were "
+     "sampled with, so the update trains on a policy that did not sample them: under --bf16 "
+     "keep --fp32-logits on, or train in fp32 (--no-bf16)"),
     # WHY relative: a formulaic task (the tiny world) is healthy at 0.04 nats a token
     ("entropy collapse", "entropy", lambda v, first: v < 0.1 * first,
      "entropy is {:.4f} nats a token, under a tenth of where the run started: the policy is "

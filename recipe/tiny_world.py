@@ -32,7 +32,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import random
 import string
 import time
@@ -44,7 +43,7 @@ from tqdm.auto import tqdm
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from recipe.checkpoint import load_pretrained, save_pretrained_atomic
+from recipe.checkpoint import default_cache_dir, load_pretrained, save_pretrained_atomic
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 # WHY: printable ASCII plus newline covers GSM8K-style text; anything else maps to <unk>.
@@ -274,11 +273,16 @@ class WarmStartConfig:
     test: its step rewards see the mistake, the final answer only that something is wrong)."""
 
 
-def default_cache_dir() -> Path:
-    """Where warm-start checkpoints live: $GRPO_TINY_CACHE, else .cache/ at the repository's top
-    (git-ignored)."""
-    root = Path(__file__).resolve().parent.parent
-    return Path(os.environ.get("GRPO_TINY_CACHE", root / ".cache"))
+def is_tiny_world_model(model: str) -> bool:
+    """Whether --model names the tiny world: empty (the warm start), or a folder saved from it (a
+    run's final/ or a checkpoint), known by its character tokenizer."""
+    if not model:
+        return True
+    try:
+        vocab = json.loads((Path(model).expanduser() / "tokenizer.json").read_text())
+        return vocab["model"]["vocab"] == char_tokenizer().get_vocab()
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def supervised_loss(model, tokenizer, rows: list[dict]) -> torch.Tensor:

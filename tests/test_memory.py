@@ -284,7 +284,7 @@ def two_steps(start, tok, update_in_backward, checkpointing=False, logprob_chunk
     """Two grpo_steps (μ = 2, so four AdamW steps) from `start`: (metrics, weights, AdamW state)."""
     policy = grpo.disable_dropout(copy.deepcopy(start))
     if checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        engine.enable_activation_checkpointing(policy)
     cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=8, num_iterations=2, lr=1e-2,
                           micro_batch_size=12, **kw)
     ref, opt = grpo.make_reference(policy), grpo.make_optimizer(policy, cfg)
@@ -476,3 +476,4 @@ def test_lean_activations_keep_fewer_tensors_and_give_the_same_gradients(arch):
     if arch == "llama" and __import__("importlib").util.find_spec("peft"):
         from machinery import lora
         assert memory.lean_activations(lora.add_adapters(copy.deepcopy(model), r=4, alpha=8)) == 5
+

@@ -60,6 +60,21 @@ def test_parts_by_hand():
     assert whole["peak"] == 3_168_064
 
 
+def test_evaluation_by_hand():
+    """The held-out evaluation (planner.eval_memory), 3 prompts of 10 tokens decoded greedily to
+    6 more, SMALL in fp32:
+    KV cache 2 * 2 blocks * 4 heads * 16 * (10 + 6) tokens * 3 rows * 4 bytes = 49,152;
+    prefill 3 * 10 tokens * (4 * (6 * 64 + 4 * 256) + 4 bytes * 4 heads * 10) = 173,760;
+    logits 2 * 3 * 100 * 4 = 2,400: 225,312, beside the persistent parts in training, and
+    beside the fp32 weights alone (551,168) in `train_gsm8k.py eval`: 776,480."""
+    shape = planner.model_shape(SMALL)
+    res = planner.step_memory(shape, replace(SETTINGS, eval_batch_size=3))
+    assert res["evaluation"] == 225_312 and res["eval_command"] == 776_480
+    assert planner.eval_peak(res) == res["persistent"] + 225_312
+    half = planner.step_memory(shape, replace(SETTINGS, eval_batch_size=3, bf16=True))
+    assert half["evaluation"] == 225_312 - 49_152 // 2              # the cache in bf16
+
+
 @pytest.mark.parametrize("config", [
     SMALL,
     Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -107,7 +122,10 @@ def test_each_switch_moves_its_part():
     assert (planner.step_memory(shape, replace(s, logprob_chunk=8, share_prompts=False))["phases"]
             == planner.step_memory(shape, replace(s, logprob_chunk=8))["phases"])
     bf16 = planner.step_memory(shape, replace(s, bf16=True))["parts"]
-    assert bf16["autocast copies"] > 0 and bf16["reference"] == base["parts"]["reference"] / 2
+    # π_ref under bf16 (precision.bf16_reference): the 2 blocks' Linear weights, 2 * (4 * 64 * 64
+    # + 3 * 64 * 256) = 131,072, in bf16; the tied embedding and the norms in fp32
+    assert bf16["autocast copies"] > 0
+    assert bf16["reference"] == base["parts"]["reference"] - 2 * 131_072
     two = planner.step_memory(shape, replace(s, micro_batch_size=2))
     assert two["parts"]["activations"] < base["parts"]["activations"]
     ppo = planner.step_memory(shape, s, critic=True)

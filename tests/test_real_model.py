@@ -56,3 +56,91 @@ def test_bad_gguf_input_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "gguf", None)   # makes `import gguf` raise ImportError
     with pytest.raises(InputError, match="a .gguf file needs the gguf package: pip install gguf"):
         checkpoint.load_pretrained(str(tmp_path / "m.gguf"))
+
+
+# The tiny world's held-out problems 49 and 58, which SmolLM2-135M-Instruct answers right greedily
+# in 16 and 29 tokens, and 0 and 1, which it gets wrong: evaluations that could differ.
+HELD_OUT = (49, 58, 0, 1)
+
+
+def write_data(folder):
+    """A GSM8K-layout folder: 8 tiny-world training problems, HELD_OUT as its test split."""
+    import json
+
+    from recipe import tiny_world
+    folder.mkdir()
+    test = tiny_world.make_problems(64, "test", seed=0)
+    for name, rows in (("train", tiny_world.make_problems(8, "train", seed=1)),
+                       ("test", [test[i] for i in HELD_OUT])):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def run_flags(path, data, out, *more):
+    """train_gsm8k.py on the real model with no --preset, sized for a test: 2 prompts x G = 2,
+    64 new tokens, every step checkpointed."""
+    return ["--model", str(path), "--data", str(data), "--steps", "2", "--prompts-per-step", "2",
+            "--group-size", "2", "--max-new-tokens", "64", "--micro-batch-size", "4",
+            "--eval-size", "4", "--eval-batch-size", "4", "--eval-every", "0", "--save-every",
+            "1", "--sample-every", "1", "--device", "cpu", "--threads", "2", "--out", str(out),
+            *more]
+
+
+def eval_of(run_dir, data) -> float:
+    """`train_gsm8k.py eval` of a run folder, on the run's own held-out problems and length."""
+    from recipe import gsm8k
+    return gsm8k.eval_command(["--model", str(run_dir), "--data", str(data), "--k", "1",
+                               "--max-new-tokens", "64", "--device", "cpu",
+                               "--json"])["greedy_accuracy"]
+
+
+@pytest.mark.slow
+def test_the_real_model_through_every_path(tmp_path, capsys):
+    """SmolLM2-135M-Instruct, offline, as a user runs it: 2 GRPO steps of full fine-tuning (its
+    evaluation before them is the load -> eval step) -> 1 with LoRA, then --resume to 2 -> eval
+    of each final model. What each
+    assertion catches:
+      - the real-model defaults, not the tiny preset's (GSM8K's system prompt, lr 1e-6);
+      - step 1's KL exactly 0 in fp32: π_ref is the policy before its first update;
+      - the sampler's log-probs equal the trainer's (fp32): they sample what they train on;
+      - a completion that ends stops at <|im_end|>, and no chat-template token reaches the text
+        the reward reads;
+      - eval of the final model equals the run's own final evaluation, on problems where it
+        gets some right (so the two could differ)."""
+    import json
+
+    import grpo
+    import train_gsm8k
+    from recipe import gsm8k
+    path, data = smollm2_gguf(), write_data(tmp_path / "data")
+    full = train_gsm8k.main(run_flags(path, data, tmp_path / "full"))
+    assert full["train_config"]["preset"] == "real" and full["grpo_config"]["lr"] == 1e-6
+    assert full["train_config"]["system_prompt"] == gsm8k.GSM8K_SYSTEM_PROMPT
+    before = full["accuracy_before"]
+    assert before == 0.5                                # HELD_OUT: 2 of 4 right from the start
+    steps = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().split("\n")
+             if x]
+    assert steps[0]["kl"] == 0.0
+    assert all(s["sampling/logp_difference/mean"] < 1e-4 for s in steps)
+    assert full["accuracy_after"] > 0
+    assert eval_of(tmp_path / "full", data) == full["accuracy_after"]
+
+    lora = run_flags(path, data, tmp_path / "lora", "--lora-r", "8", "--lr", "1e-5")
+    train_gsm8k.main(lora[:lora.index("--steps") + 1] + ["1"] + lora[lora.index("--steps") + 2:])
+    resumed = train_gsm8k.main(["--resume", str(tmp_path / "lora"), "--steps", "2"])
+    assert resumed["steps"] == 2 and resumed["accuracy_before"] == before
+    assert len((tmp_path / "lora" / "metrics.jsonl").read_text().splitlines()) == 2
+    assert eval_of(tmp_path / "lora", data) == resumed["accuracy_after"] > 0
+
+    model, tok = checkpoint.load_pretrained(str(tmp_path / "full" / "final"))
+    prompts = [gsm8k.make_prompt(tok, r["question"], gsm8k.GSM8K_SYSTEM_PROMPT)
+               for r in gsm8k.read_jsonl(data / "test.jsonl")]
+    out = grpo.sample_completions(model, tok, prompts, grpo.GRPOConfig(max_new_tokens=64),
+                                  greedy=True, group_size=1)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    ended = [i for i, cut in enumerate(out["truncated"].tolist()) if not cut]
+    assert ended
+    for i in ended:
+        last = out["completion_mask"][i].sum() - 1
+        assert out["completion_ids"][i, last] == end
+    assert not any("<|im_" in c or "<|endoftext|>" in c for c in out["completions"])

@@ -19,7 +19,7 @@ from recipe.flags import InputError
 from test_train_gsm8k import TINY_FLAGS, cache  # noqa: F401 (a fixture)
 
 HEALTHY = {"completions/clipped_ratio": 0.0, "frac_reward_zero_std": 0.3, "kl": 0.02,
-           "entropy": 0.06, "reward": 0.5}
+           "entropy": 0.06, "reward": 0.5, "sampling/ratio_outside_0.9_1.1": 0.0}
 
 
 def run(series: list[dict], num_iterations: int = 1) -> list[tuple[int, str]]:
@@ -50,6 +50,7 @@ def test_a_healthy_run_gets_only_the_mu_1_note():
     ("no signal", {"frac_reward_zero_std": 0.9}, "--dynamic-sampling"),
     ("KL blow-up", {"kl": 2.5}, "--lr"),
     ("entropy collapse", {"entropy": 0.001}, "--beta"),
+    ("sampler mismatch", {"sampling/ratio_outside_0.9_1.1": 0.069}, "--fp32-logits"),
 ])
 def test_each_warning_fires_once_after_a_window(name, change, flag):
     """Healthy for 5 steps, then the condition: it fires at the 5th bad step (the window mean is

@@ -1,0 +1,71 @@
+"""
+precision.py -- bf16 autocast that computes what fp32 computes where it matters: π_ref against the
+policy, and the sampler against the trainer.
+
+    policy = fp32_logits(policy)                            # the output layer in fp32, always
+    ref = bf16_reference(grpo.make_reference(policy))   # Linear weights in bf16, same numbers
+
+Under bf16 autocast (train_gsm8k.py --bf16) a real model showed two faults at step 1, where the
+policy, π_ref and the sampler are all the same model (SmolLM2-135M-Instruct; docs/real_model.md,
+benchmarks/real_model_numerics.py, the 2-core Intel Xeon CPU):
+  - the KL to π_ref was 0.0016, not 0: π_ref was the policy cast whole to bf16, so its
+    embeddings, norms and residual stream were bf16 where the policy's are fp32;
+  - the sampler's and the trainer's log-probs of the same tokens differed by 0.029 on average,
+    6.9% of tokens more than 10% apart in probability: both rounded the logits to bf16 (8 bits of
+    mantissa: a logit of 16 to 0.125), from hidden states that differ in their last bits.
+bf16_reference makes the first exactly 0; fp32_logits takes the second to the size of the hidden
+states' own bf16 rounding (MiniMax-M1, arXiv 2506.13585, found the same fix for the same gap).
+tests/test_precision.py checks both on small models.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from machinery.engine import base_model
+
+
+class FP32Logits(torch.nn.Linear):
+    """An output layer that computes in fp32 whatever autocast says: the logits, and so every
+    log-prob the sampler draws with and the trainer scores, keep fp32's precision."""
+
+    def forward(self, x):
+        with torch.autocast(x.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias)                    # (..., V)
+
+
+def fp32_logits(model, enabled: bool = True):
+    """`model` with its output layer computing in fp32 (FP32Logits), in place; a copy made later
+    (grpo.make_reference) keeps it. Only where the output layer is an nn.Linear (Llama, Qwen,
+    GPT-2's lm_head); otherwise, or not enabled, the model is left as it is.
+    WHY: under bf16 autocast the logits are rounded to bf16, which moves a log-prob by up to a few
+    hundredths; fp32 logits cost a (V, H) fp32 product instead of a bf16 one, and with a tied
+    output layer save autocast's bf16 copy of the embedding."""
+    head = base_model(model).get_output_embeddings()
+    if enabled and type(head) is torch.nn.Linear:
+        head.__class__ = FP32Logits
+    return model
+
+
+def bf16_reference(ref):
+    """π_ref for a run under bf16 autocast, in place: the weights (and biases) of its Linear
+    layers stored in bf16; the embedding, the norms and the output layer stay fp32.
+    PAPER: π_ref is the policy GRPO starts from, so before the first update the two must score
+    every token the same and step 1's KL must be 0. It is, bit for bit: autocast rounds each fp32
+    Linear weight to bf16 before it multiplies, the same rounding as storing it in bf16, and what
+    autocast leaves in fp32 (the embedding, the norms, the residual stream; the output layer under
+    fp32_logits) is kept fp32 here.
+    WHY not the whole copy in bf16: the embedding's and norms' outputs would then be bf16, the
+    residual stream too, and π_ref another function. WHY not fp32: 2 bytes a weight saved on
+    every Linear layer of every block, most of the model."""
+    from transformers.pytorch_utils import Conv1D  # NOTE: GPT-2's Linear, (in, out), addmm
+    base = base_model(ref)
+    keep = {id(p) for m in (base.get_input_embeddings(), base.get_output_embeddings())
+            for p in m.parameters()}
+    for module in ref.modules():
+        if (isinstance(module, (torch.nn.Linear, Conv1D)) and not isinstance(module, FP32Logits)
+                and id(module.weight) not in keep):
+            module.to(torch.bfloat16)
+    return ref
