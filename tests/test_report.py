@@ -65,6 +65,16 @@ def test_each_warning_fires_once_after_a_window(name, change, flag):
     assert f"({name}, {key})" in line and flag in line
 
 
+def test_bf16_with_fp32_logits_stays_silent():
+    """The sampler-mismatch line sits between bf16 with fp32 logits (0.62% of tokens outside
+    [0.9, 1.1] on SmolLM2-135M, benchmarks/results/real-model/numerics.json) and bf16 logits
+    (6.9%): the first never warns, the second does."""
+    quiet = [{**HEALTHY, "sampling/ratio_outside_0.9_1.1": 0.0062}] * 30
+    loud = [{**HEALTHY, "sampling/ratio_outside_0.9_1.1": 0.069}] * 30
+    assert [line for _, line in run(quiet) if line.startswith("WARNING")] == []
+    assert [line for _, line in run(loud) if "sampler mismatch" in line]
+
+
 def test_one_bad_step_does_not_warn():
     series = [HEALTHY] * 10 + [{**HEALTHY, "kl": 3.0}] + [HEALTHY] * 10
     assert [line for _, line in run(series) if line.startswith("WARNING")] == []
