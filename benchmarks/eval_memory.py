@@ -18,18 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-STATUS = Path("/proc/self/status")
-
-
-def status_mb(field: str) -> float:
-    """VmRSS (now) or VmHWM (the high-water mark since the last reset) of this process, in MB."""
-    return int(re.search(rf"{field}:\s+(\d+) kB", STATUS.read_text()).group(1)) / 2**10
+from memory_parts import STATUS, reset_peak, status_mb  # noqa: E402
 
 
 def main(argv=None):
@@ -62,7 +57,7 @@ def main(argv=None):
                           grpo.pad_token_id(model, tok)).sample
     cfg = grpo.GRPOConfig(max_new_tokens=a.max_new_tokens)
     start = status_mb("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")   # NOTE: VmHWM starts again from here
+    reset_peak()                                    # NOTE: VmHWM starts again from here
     t = time.perf_counter()
     out = grpo.sample_completions(model, tok, prompts, cfg, greedy=True, group_size=1,
                                   sample=sample)

@@ -169,3 +169,44 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
     summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert summary["dry_run"] and not summary["failed"] and summary["checks"] == rows
     assert not list((tmp_path / "out").glob("model"))
+
+
+def tiny_chat_model_and_data(tmp_path):
+    """A tiny Llama with the character tokenizer, saved, and a GSM8K-layout folder of 4 rows."""
+    from recipe import tiny_world
+    tok = tiny_world.char_tokenizer()
+    tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0).save_pretrained(
+        tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    (tmp_path / "data").mkdir()
+    rows = tiny_world.make_problems(4, "test", seed=0)
+    for name in ("train", "test"):
+        (tmp_path / "data" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n"
+                                                                 for r in rows))
+    return tmp_path / "model", tmp_path / "data"
+
+
+def test_eval_memory_reports_its_parts_and_the_plan(tmp_path):
+    """benchmarks/eval_memory.py on a tiny model: the KV cache is the in-place buffer for every
+    row's prompt + completion (2 blocks x keys and values x 2 heads x 16 x L x 4 rows x 4
+    bytes), and the plan's figure is there to compare with."""
+    model, data = tiny_chat_model_and_data(tmp_path)
+    res = run("benchmarks/eval_memory.py", "--model", str(model), "--data", str(data),
+              "--rows", "4", "--max-new-tokens", "6", "--threads", "1")
+    L = res["prompt_tokens"] + 6
+    assert res["kv_cache_mb"] * 2**20 == 2 * 2 * 2 * 16 * L * 4 * 4
+    assert res["plan_mb"] > res["kv_cache_mb"] and res["peak_over_baseline_mb"] > 0
+
+
+@pytest.mark.slow
+def test_real_model_numerics_runs_every_setting_on_a_tiny_model(tmp_path):
+    """benchmarks/real_model_numerics.py on a tiny model: every setting and part is reported,
+    step 1's KL is exactly 0 except where π_ref is the whole copy in bf16, and fp32's gap is
+    rounding."""
+    model, data = tiny_chat_model_and_data(tmp_path)
+    res = run("benchmarks/real_model_numerics.py", "--model", str(model), "--data", str(data),
+              "--threads", "1")
+    kl = {k: v["kl"] for k, v in res["settings"].items()}
+    assert len(kl) == 5 and kl["fp32"] == 0 and kl["bf16, π_ref Linear bf16, fp32 logits"] == 0
+    assert res["settings"]["fp32"]["logp_difference_mean"] < 1e-5
+    assert set(res["bf16 parts"]) == {"bf16 logits", "fp32 logits"}
