@@ -144,3 +144,20 @@ def test_the_real_model_through_every_path(tmp_path, capsys):
         last = out["completion_mask"][i].sum() - 1
         assert out["completion_ids"][i, last] == end
     assert not any("<|im_" in c or "<|endoftext|>" in c for c in out["completions"])
+
+
+@pytest.mark.slow
+def test_plan_reads_the_gguf_file_and_the_presets_hub_id_offline(capsys, monkeypatch):
+    """`plan` counts SmolLM2-135M from the GGUF file's own metadata, and from the preset's hub id
+    through its offline stand-in (the hub's files not cached): the same 134,515,008 parameters,
+    and an evaluation line. The bug it catches: a .gguf refused as "no config.json there"."""
+    import json
+
+    import train_gsm8k
+    from huggingface_hub import constants
+    path = smollm2_gguf()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", "/nonexistent-hub-cache")
+    for argv in (["--model", str(path)], ["--preset", "smollm2-135m"]):
+        assert train_gsm8k.cli(["plan", "--json", *argv]) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert out["parameters"] == 134_515_008 and out["eval_command_bytes"] > 0
