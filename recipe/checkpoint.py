@@ -178,6 +178,7 @@ def load_pretrained(name: str, shown_as: str = ""):
             raise InputError(f"model directory {name} does not exist")
         name = str(local)
     elif name in OFFLINE_COPIES and (copy := offline_copy(name)):
+        print(f"model: {name} from {copy.name} (pip package {OFFLINE_COPIES[name][0]}), offline")
         return load_gguf(copy, shown_as)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
@@ -210,7 +211,6 @@ def offline_copy(name: str) -> Path | None:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.origin:
         return None
-    print(f"model: {name} from the {package.replace('_', '-')} package's {file}, offline")
     return Path(spec.origin).parent / file
 
 
