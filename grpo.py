@@ -75,8 +75,9 @@ The steps below, in order
     5-7. grpo_loss           ratio and clip (5), k3 KL (6), aggregation over tokens (7)
     8. policy_update         μ optimizer steps: zero_grad, backward, gradient clip, AdamW
     9. grpo_step             1-8 in order, then step_metrics
-    Variants                 dynamic sampling (DAPO), GSPO's sequence ratio, process
-                             supervision's plumbing: each is one call from the core above
+    Variants                 dynamic sampling (DAPO), GSPO's sequence ratio, truncated
+                             importance sampling, process supervision's plumbing: each is one
+                             call from the core above
 Variants since the paper are opt-in switches in GRPOConfig that cite their paper; each line that
 differs from the paper is tagged DEVIATION.
 """
@@ -154,6 +155,10 @@ class GRPOConfig:
     dynamic_sampling: int = 0
     """DAPO's dynamic sampling: drop groups whose rewards all agree and refill the batch from up to
     this many more rounds of fresh prompts (grpo_step's more_prompts). 0: off (paper)."""
+    sampler_is_cap: float = 0.0
+    """Truncated importance sampling (TIS; TRL's vllm_importance_sampling_correction): weight each
+    token's surrogate by min(π_old/π_sampler, this cap), detached, for samplers that score tokens
+    a little differently from the trainer (bf16, another engine). 0: off (paper). See Variants."""
 
     def __post_init__(self):
         """Settings that cannot work fail here, at construction, with one line naming the field."""
@@ -170,7 +175,7 @@ class GRPOConfig:
         #       policy_update weights it so the summed gradient equals the full batch's (tested).
         for name, low in [("num_iterations", 1), ("max_new_tokens", 1), ("micro_batch_size", 1),
                           ("beta", 0), ("adv_eps", 0), ("weight_decay", 0),
-                          ("dynamic_sampling", 0)]:
+                          ("dynamic_sampling", 0), ("sampler_is_cap", 0)]:
             if getattr(self, name) < low:
                 fail(name, f">= {low}")
         for name in ("clip_eps", "clip_eps_high", "temperature", "lr", "max_grad_norm"):
@@ -447,14 +452,12 @@ def process_advantages(step_rewards: list[list[tuple[int, float]]], group_size: 
         #        the group
         # NOTE: as for outcomes: the sample std, with eps added to it (equal step rewards give 0
         #       everywhere). A single step in the whole group has no spread: its advantage is 0.
-        std = R.std() if R.numel() > 1 else torch.tensor(0.0)                         # ()
-        normalised = (R - R.mean()) / (std + eps) if R.numel() > 1 else torch.zeros_like(R)  # (K,)
-        k = 0  # the index into R of the step being placed: R lists the group's steps in order
+        normalised = (R - R.mean()) / (R.std() + eps) if len(R) > 1 else 0 * R        # (K,)
+        placed = iter(normalised.tolist())  # NOTE: R lists the group's steps in order, as here
         for i, steps in enumerate(group):
             for end, _ in steps:
                 # WHY: an end outside the completion (from a careless reward) lands on its edge.
-                advantages[g + i, min(max(end, 0), num_tokens - 1)] += normalised[k]
-                k += 1
+                advantages[g + i, min(max(end, 0), num_tokens - 1)] += next(placed)
     # PAPER: Â_i,t = Σ_{index(j) >= t} r̃_i^index(j)      (a reverse cumulative sum over positions)
     return advantages.flip(1).cumsum(1).flip(1)                                       # (N, T)
 
@@ -684,14 +687,12 @@ def clipped_step(policy, optimizer, losses, max_grad_norm: float) -> tuple[float
 
 def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOConfig,
                   seams: Seams = Seams()) -> dict:
-    """Algorithm 1's inner loop: μ optimizer steps on this batch, each over every micro-batch.
-    logp_old is None when μ = 1 (π_old = π_θ). Returns loss, KL, clip, entropy and gradient stats,
-    and how far the sampler's log-probs are from the first update's (sampling/*).
-
-    Each update scores the tokens under π_θ (4), builds the loss (5-7) and hands each
-    micro-batch's weighted share to clipped_step (zero_grad, backward, clip, AdamW).
-    NOTE: at μ = 1 the logged loss is ~0 while the gradient is not (grpo_loss, step 5); watch
-          reward and kl, not loss. An update whose loss or gradient is not finite is skipped.
+    """Algorithm 1's inner loop: μ optimizer steps on this batch, each over every micro-batch:
+    score the tokens under π_θ (4), build the loss (5-7), hand each micro-batch's weighted share to
+    clipped_step (zero_grad, backward, clip, AdamW). logp_old is None when μ = 1 (π_old = π_θ).
+    Returns loss, KL, clip, entropy and gradient stats, and how far the sampler's log-probs are from
+    the first update's (sampling/*). An update whose loss or gradient is not finite is skipped.
+    NOTE: at μ = 1 the logged loss is ~0 while the gradient is not (grpo_loss, step 5).
     """
     mask, mu = batch["completion_mask"], cfg.num_iterations                           # (N, T)
     slices = [s for s, _ in micro_batches(batch, cfg.micro_batch_size)]
@@ -710,8 +711,11 @@ def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOC
                                                             True)                     # (n, T) x2
             # NOTE: with μ = 1 no π_old pass was run: π_old = π_θ, so logp_old = logp.detach().
             old = logp.detach() if logp_old is None else logp_old[s]                  # (n, T)
+            A = batch["advantages"][s]                                            # (n,) or (n, T)
+            if cfg.sampler_is_cap:  # DEVIATION (opt-in, TIS): see sampler_weighted, Variants
+                A = sampler_weighted(A, old, batch["sampler_logp"][s], cfg.sampler_is_cap)
             loss, parts = grpo_loss(
-                logp, old, None if logp_ref is None else logp_ref[s], batch["advantages"][s],
+                logp, old, None if logp_ref is None else logp_ref[s], A,
                 mask[s], clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, beta=cfg.beta,
                 loss_type=cfg.loss_type, max_completion_length=cfg.max_new_tokens,
                 importance_sampling_level=cfg.importance_sampling_level,
@@ -889,6 +893,24 @@ def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     """
     lengths = mask.sum(1, keepdim=True).clamp(min=1)                                  # (N, 1)
     return ((log_ratio * mask).sum(1, keepdim=True) / lengths).expand_as(log_ratio)   # (N, T)
+
+
+def sampler_weighted(A, logp_old, sampler_logp, cap: float) -> torch.Tensor:
+    """Truncated importance sampling (TIS): A (n,) or (n, T), logp_old, sampler_logp (n, T) ->
+    each token's advantage times its weight, (n, T). The tokens came from the sampler, whose
+    log-probs may differ a little from the trainer's own π_old (bf16, another engine); the weight
+    is w_it = min(π_old(o_it) / π_sampler(o_it), cap). Both log-probs come without gradients.
+
+    Example (test_sampler_weighted_hand_worked): A = 1, π_old 0.5 and cap 2: π_sampler 0.25
+    gives 2; 0.1 gives 5, truncated to 2; 1.0 gives 0.5.
+    DEVIATION (opt-in; Yao et al. 2025, TRL's vllm_importance_sampling_correction): TRL weighs
+    the surrogate, w·min(r·A, clip(r)·A). w is positive, so that is min(r·wA, clip(r)·wA): the
+    same, by weighing A. The KL term is not weighted, as in TRL.
+    NOTE: at μ = 1, π_old is the trainer's logp.detach(), so w only undoes how the sampler's
+          log-probs differ from the trainer's: in fp32 w = 1 to ~1e-6, the plain update (tested).
+    """
+    # w_it = min( exp(log π_old - log π_sampler), C ),  Â_it = w_it · A_i
+    return A.reshape(len(A), -1) * torch.exp(logp_old - sampler_logp).clamp(max=cap)  # (n, T)
 
 
 def score_steps(batch: dict, tokenizer, reward_funcs: Sequence[Callable], cfg: GRPOConfig) -> dict:

@@ -89,7 +89,8 @@ HEALTH = [  # (name, metric, holds(window mean, the first window's mean), messag
     ("sampler mismatch", "sampling/ratio_outside_0.9_1.1", lambda v, first: v > 0.02,
      "{:.1%} of tokens are scored with a probability more than 10% away from the one they were "
      "sampled with, so the update trains on a policy that did not sample them: under --bf16 "
-     "keep --fp32-logits on, or train in fp32 (--no-bf16)"),
+     "keep --fp32-logits on, or train in fp32 (--no-bf16); --sampler-is-cap 2 corrects for "
+     "the rest"),
     # WHY relative: a formulaic task (the tiny world) is healthy at 0.04 nats a token
     ("entropy collapse", "entropy", lambda v, first: v < 0.1 * first,
      "entropy is {:.4f} nats a token, under a tenth of where the run started: the policy is "

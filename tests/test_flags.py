@@ -135,7 +135,7 @@ def test_help_shows_the_machinery_in_its_own_sections(capsys):
     assert sections == sorted(sections)
 
     def section_of(flag):  # the option's own line, not the usage block above the sections
-        at = out.index(f"\n  --{flag}")
+        at = out.index(f"\n  --{flag} ")
         return sum(at > start for start in sections) - 1
 
     assert [section_of(f) for f in ("plain", "group_size", "sampler", "share_prompts",

@@ -433,6 +433,7 @@ def test_non_finite_logits_in_the_training_pass_skip_the_update():
     ("max_grad_norm", 0.0, "max_grad_norm must be > 0"),
     ("micro_batch_size", 0, "micro_batch_size must be >= 1"),
     ("reward_weights", [1.0, float("nan")], "reward_weights must be finite"),
+    ("sampler_is_cap", -1.0, "sampler_is_cap must be >= 0"),
 ])
 def test_config_values_that_cannot_work_fail_at_construction(field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -542,6 +543,56 @@ def test_gspo_sequence_ratio_hand_worked():
     assert loss == pytest.approx(-1.2, abs=1e-6) and torch.equal(grad, torch.zeros(1, 2))
     loss, grad = loss_of("sequence", -1.0)
     assert loss == pytest.approx(1.22140, abs=1e-5) and (grad != 0).all()
+
+
+def test_sampler_weighted_hand_worked():
+    """TIS: π_old 0.5 on three tokens, π_sampler 0.25, 0.1 and 1.0, cap 2: weights 0.5/0.25 = 2,
+    0.5/0.1 = 5 truncated to 2, and 0.5/1.0 = 0.5; an outcome A = 1.5 becomes 3, 3, 0.75 per
+    token. A process advantage (n, T) is weighed token by token."""
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
+    sampler = torch.log(torch.tensor([[0.25, 0.1, 1.0]]))
+    got = grpo.sampler_weighted(torch.tensor([1.5]), old, sampler, cap=2.0)
+    torch.testing.assert_close(got, torch.tensor([[3.0, 3.0, 0.75]]))
+    got = grpo.sampler_weighted(torch.tensor([[1.0, -2.0, 4.0]]), old, sampler, cap=2.0)
+    torch.testing.assert_close(got, torch.tensor([[2.0, -4.0, 2.0]]))
+
+
+def is_step(cap, shift=0.0):
+    """One SGD step (lr 1, β 0, no gradient clip) with sampler_is_cap = cap, where the sampler's
+    log-probs are shifted by `shift` (a sampler that scores every token e^shift times more likely
+    than the trainer does). Returns the weight change."""
+    tok = tiny_world.char_tokenizer()
+    policy = tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0)
+    before = [p.detach().clone() for p in policy.parameters()]
+    cfg = grpo.GRPOConfig(group_size=8, max_new_tokens=10, lr=1.0, beta=0.0, max_grad_norm=1e9,
+                          sampler_is_cap=cap)
+
+    def shifted(*args):
+        ids, logp = grpo.decode(*args)
+        return ids, logp + shift
+
+    torch.manual_seed(0)
+    m = grpo.grpo_step(policy, None, torch.optim.SGD(policy.parameters(), lr=1.0), tok,
+                       ["Q1", "Q22"], [contains_a], cfg, seams=grpo.Seams(sample=shifted))
+    assert m["reward_std"] > 0  # there was something to learn
+    return [p.detach() - b for p, b in zip(policy.parameters(), before)]
+
+
+def test_sampler_correction_in_fp32_is_the_plain_update():
+    """In fp32 the sampler and the trainer agree to rounding, so every weight is ~1 and the step
+    with the correction lands where the plain one does."""
+    for a, b in zip(is_step(0.0), is_step(2.0)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_sampler_correction_weighs_each_token_by_the_capped_ratio():
+    """A sampler that scores every token half as likely as the trainer (shift -ln 2) gives every
+    token the weight 2: the step is exactly twice the plain one. With cap 1.5 it is 1.5 times;
+    without the correction it is the plain one, whatever the sampler said."""
+    plain = is_step(0.0)
+    for cap, factor in [(3.0, 2.0), (1.5, 1.5), (0.0, 1.0)]:
+        for p, d in zip(plain, is_step(cap, shift=-math.log(2))):
+            torch.testing.assert_close(d, factor * p, atol=1e-5, rtol=1e-4)
 
 
 def alternating_unless_same(prompts, completions, **kw):
