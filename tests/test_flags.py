@@ -102,7 +102,7 @@ def test_train_gsm8k_help_lists_every_field_with_the_preset_values(capsys):
                  "--no-scale-rewards", "--reward-weights",
                  "--preset {tiny,real,qwen2.5-0.5b,smollm2-135m}"):
         assert flag in out, flag
-    assert "tiny: 96; real: 512; qwen2.5-0.5b: 512; smollm2-135m: 256" in out  # max_new_tokens
+    assert "tiny: 96; real: 512; qwen2.5-0.5b: 512; smollm2-135m: 96" in out  # max_new_tokens
     assert "'real' with any other --model" in out                # the preset chosen without one
     assert "qwen2.5-0.5b: 'Qwen/Qwen2.5-0.5B-Instruct'" in out
 
@@ -191,6 +191,20 @@ def test_a_real_model_never_gets_the_tiny_preset(model):
     assert (tcfg.preset, tcfg.data, gcfg.lr) == ("real", "d", 3e-6)        # flags still win
     tcfg, gcfg, *_ = train_gsm8k.parse_args(["--preset", "tiny", "--model", model])
     assert (tcfg.preset, tcfg.data, gcfg.lr) == ("tiny", "tiny", 1e-4)     # asked for by name
+
+
+def test_the_smollm2_preset_shows_no_held_out_problem_in_its_prompt():
+    """The smollm2-135m preset's system prompt carries one worked example; it must not be one of
+    the tiny world's held-out problems, or the accuracy it reports would be inflated."""
+    import re
+
+    from recipe import gsm8k, tiny_world
+    tcfg, *_ = train_gsm8k.parse_args(["--preset", "smollm2-135m"])
+    assert tcfg.system_prompt == gsm8k.EXAMPLE_SYSTEM_PROMPT and tcfg.data == "tiny"
+    question = re.search(r"Question: (.*)\n", tcfg.system_prompt).group(1)
+    assert tiny_world.split_of(question) == "train"
+    held_out = tiny_world.make_problems(tcfg.eval_size, "test", seed=0)
+    assert question not in [r["question"] for r in held_out]
 
 
 def test_the_tiny_world_keeps_its_preset_without_and_with_its_own_model(tmp_path):
