@@ -165,7 +165,7 @@ PRESETS = {
                    data="tiny",                        # word problems it gets some right of
                    system_prompt=gsm8k.EXAMPLE_SYSTEM_PROMPT,  # one worked example
                    prompts_per_step=8, steps=16,       # 64 completions a step, ~2 min on 2 cores
-                   eval_size=200, eval_batch_size=32,  # 200 held out; 32 decoded at once
+                   eval_size=200, eval_batch_size=64,  # 200 held out; 64 decoded at once
                    eval_every=0, save_every=0,         # before and after; saved at the end
                    lora_r=32, lora_alpha=64),          # adapters: less to update, π_ref for free
         dict(lr=1e-4,                                  # LoRA wants ~10x full fine-tuning's lr
