@@ -119,13 +119,28 @@ def load_checkpoint(ckpt: Path, device: str, cfg: grpo.GRPOConfig, base=None):
         policy = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     policy = grpo.disable_dropout(policy).to(device)
     optimizer = grpo.make_optimizer(policy, cfg)
-    trainer = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    trainer = load_trainer_state(ckpt / "trainer_state.pt")
     optimizer.load_state_dict(trainer["optimizer"])
     torch.set_rng_state(trainer["torch_rng"])
     if trainer["cuda_rng"]:
         torch.cuda.set_rng_state_all(trainer["cuda_rng"])
     random.setstate(trainer["python_rng"])
     return policy, optimizer, json.loads((ckpt / "state.json").read_text())
+
+
+def load_trainer_state(path: Path) -> dict:
+    """AdamW's state and the RNG states of a checkpoint: tensors and plain values only.
+    WHY weights_only: a full unpickle runs whatever code the file names, so resuming a run folder
+    from someone else would run their code; a file that needs more is refused, in one line."""
+    import pickle
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        # NOTE: torch's message is a page; its "WeightsUnpickler error" line names what it met
+        why = next((line.split("error: ")[-1].split(". ")[0][:160] for line in str(e).splitlines()
+                    if "WeightsUnpickler error" in line), "not a weights-only file")
+        raise InputError(f"{path} holds more than tensors and plain values, so it is not loaded "
+                         f"(unpickling it could run code): {why}") from None
 
 
 def new_state(model_name: str, refill_cursor: int) -> dict:

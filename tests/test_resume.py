@@ -112,6 +112,36 @@ def test_resume_without_a_checkpoint_is_a_one_line_error(tmp_path, capsys):
     assert "no checkpoint there" in err and len(err.strip().splitlines()) == 1
 
 
+class RunsCode:
+    """Unpickling this touches a file: what a checkpoint from a stranger could do instead."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_resume_refuses_a_checkpoint_whose_pickle_would_run_code(tmp_path, monkeypatch, capsys):
+    """A real run's checkpoint loads with weights_only (AdamW's state and every RNG are tensors
+    and plain values). Its trainer_state.pt replaced by one whose unpickling runs code: --resume
+    is a one-line error and the code never runs. The bug it catches: torch.load(...,
+    weights_only=False), which ran it."""
+    monkeypatch.setenv("GRPO_TINY_CACHE", str(tmp_path / "cache"))
+    run = tmp_path / "run"
+    train_gsm8k.main([*FLAGS, "--steps", "1", "--out", str(run)])
+    ckpt = checkpoint.latest_checkpoint(run)
+    trainer = checkpoint.load_trainer_state(ckpt / "trainer_state.pt")
+    assert trainer["optimizer"]["state"] and len(trainer["python_rng"][1]) == 625
+    marker = tmp_path / "the code ran"
+    torch.save({**trainer, "optimizer": RunsCode(marker)}, ckpt / "trainer_state.pt")
+    capsys.readouterr()  # the first run's progress bars
+    assert train_gsm8k.cli(["--resume", str(run), "--steps", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # NOTE: after transformers' load bar
+    assert err.startswith("error: ") and "trainer_state.pt holds more than tensors" in err, err
+    assert "Unsupported global" in err and not marker.exists()
+
+
 def test_a_crash_while_writing_a_checkpoint_leaves_the_last_one_whole(tmp_path, monkeypatch):
     """The second save dies half-way through writing its weights: checkpoint-1 must still load and
     resume."""
