@@ -46,7 +46,7 @@ CASES = [
     ("10-5=72", GOLD_72, 1.0, "subtraction, not a negative"),
     ("#### 72\n#### 71", GOLD_72, 0.0, "hedging: two #### lines that disagree"),
     ("\\boxed{72}\n#### 73", GOLD_72, 0.0, "hedging: box and #### disagree"),
-    ("\\boxed{17} #### 18", "18", 0.0, "hedging: the example from the spec"),
+    ("\\boxed{17} #### 18", "18", 0.0, "hedging: a box and a #### that disagree"),
     ("<answer>72</answer> \\boxed{71}", GOLD_72, 0.0, "hedging: answer tag and box disagree"),
     ("The answer is 71. No wait, the answer is 72.", GOLD_72, 0.0,
      "hedging: two 'answer is' that disagree"),
