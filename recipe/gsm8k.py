@@ -24,10 +24,10 @@ GSM8K_SYSTEM_PROMPT = (
     "Solve the math problem step by step. "
     "Finish with a last line of the form '#### <number>', giving only the final number."
 )
-# WHY a worked example: SmolLM2-135M-Instruct follows one far better than instructions alone. With
-#     GSM8K_SYSTEM_PROMPT it rambles, and most of its samples run past 96 tokens; with this one
-#     its answers are a few lines of arithmetic (docs/real_model.md). The example is none of the
-#     tiny world's held-out problems (tiny_world.split_of gives it "train").
+# WHY a worked example: it shows a small model the layout the checker reads and keeps its answers
+#     to a few lines, which is what makes a step cheap on a CPU (the smollm2-135m preset; its step 1
+#     against GSM8K_SYSTEM_PROMPT's: docs/real_model.md). The example is none of the tiny world's
+#     held-out problems (tiny_world.split_of gives it "train"; tests/test_flags.py).
 EXAMPLE_SYSTEM_PROMPT = (
     "Solve the math problem with one short line of arithmetic per step, then a last line "
     "'#### <number>'. Example:\nQuestion: Tom has 3 bags of 5 pens and gives 4 away. How many "
