@@ -50,3 +50,17 @@ def test_every_docs_page_is_linked_and_every_local_link_resolves():
     for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text()):
             assert (doc.parent / target).exists(), f"{doc.name} links to missing {target}"
+
+
+def test_reference_lists_every_grpo_config_field_and_no_other():
+    """docs/reference.md's defaults table names every GRPOConfig field in its own row, and no row
+    names a field that does not exist (it once listed top_k and top_p, and left out five)."""
+    import dataclasses
+    import re
+
+    import grpo
+    text = (ROOT / "docs" / "reference.md").read_text()
+    start = text.index("\n", text.index("| `GRPOConfig` field | default | source |"))
+    rows = re.findall(r"^\| `(\w+)`", text[start:text.index("\n\n", start)], re.M)
+    fields = [f.name for f in dataclasses.fields(grpo.GRPOConfig)]
+    assert sorted(rows) == sorted(fields)
