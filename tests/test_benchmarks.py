@@ -215,3 +215,28 @@ def test_real_model_numerics_runs_every_setting_on_a_tiny_model(tmp_path):
     assert len(kl) == 5 and kl["fp32"] == 0 and kl["bf16, π_ref Linear bf16, fp32 logits"] == 0
     assert res["settings"]["fp32"]["logp_difference_mean"] < 1e-5
     assert set(res["bf16 parts"]) == {"bf16 logits", "fp32 logits"}
+
+
+def test_learning_curves_draws_each_run_and_names_a_missing_one(tmp_path, capsys):
+    """benchmarks/learning_curves.py: one figure from two runs' metrics.jsonl and summary.json;
+    a run folder without its summary is a one-line error (exit 2), and no figure is written."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import learning_curves
+    for seed in (0, 1):
+        run = tmp_path / f"run{seed}"
+        run.mkdir()
+        (run / "summary.json").write_text(json.dumps(
+            {"train_config": {"seed": seed}, "accuracy_before": 0.1, "accuracy_after": 0.2}))
+        (run / "metrics.jsonl").write_text("".join(json.dumps(
+            {"step": k, "reward": 0.1 * k, "frac_reward_zero_std": 0.5, "kl": 0.01 * k,
+             "completions/mean_length": 40.0, "completions/clipped_ratio": 0.1}) + "\n"
+            for k in (1, 2, 3)))
+    learning_curves.main([str(tmp_path / "run0"), str(tmp_path / "run1"),
+                          "--out", str(tmp_path / "curves.png")])
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "run1" / "summary.json").unlink()
+    with pytest.raises(SystemExit) as e:
+        learning_curves.main([str(tmp_path / "run0"), str(tmp_path / "run1"),
+                              "--out", str(tmp_path / "other.png")])
+    assert e.value.code == 2 and not (tmp_path / "other.png").exists()
+    assert "run1/summary.json does not exist" in capsys.readouterr().err
