@@ -362,6 +362,8 @@ def main(argv=None) -> dict:
                "device": device, "torch_threads": torch.get_num_threads(), "evals": state["evals"],
                "skipped_updates": state["skipped_updates"],
                "command_seconds": time.perf_counter() - t_command,  # this process (since resuming)
+               "peak_gpu_mb": (torch.cuda.max_memory_allocated() / 2**20   # every tensor on it
+                               if device.startswith("cuda") else None),
                **configs}
     checkpoint.write_json_atomic(out / "summary.json", summary)
     print(report.results_table(summary, out))

@@ -195,37 +195,40 @@ def lora_step(device: str, config_path: str, group_size: int, prompts: int, n_to
 
 
 def real_model(device: str, steps: int, out: str, flags: list[str]) -> dict:
-    """The smollm2-135m preset end to end (module docstring): seconds, peak GPU memory, the plan."""
-    import torch
-    from dataclasses import asdict
+    """The smollm2-135m preset end to end (module docstring): train_gsm8k.py in its own process,
+    then its summary.json (seconds, peak GPU memory, settings) against `plan` for those settings."""
+    import subprocess
     from transformers import AutoTokenizer
-    import train_gsm8k
+    import grpo
     from recipe import checkpoint, gsm8k, planner
     gguf = checkpoint.offline_copy("HuggingFaceTB/SmolLM2-135M-Instruct")
     model = str(gguf) if gguf and gguf.exists() else str(Path(out) / "smollm2-random")
     if model != str(gguf):
         build_model(Path(model), 0, 0, 0, "smollm2-135m")
+    run = Path(out) / "run"
     argv = ["--preset", "smollm2-135m", "--model", model, "--data", "tiny", "--device", device,
-            "--steps", str(steps), "--save-every", "0", "--out", str(Path(out) / "run"), *flags]
-    on_gpu = device.startswith("cuda")
-    if on_gpu:
-        torch.cuda.reset_peak_memory_stats(device)
-    summary = train_gsm8k.main(argv)
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if on_gpu else None
-    tcfg, gcfg, _, ecfg, mcfg, _ = train_gsm8k.parse_args(argv)
-    tok = AutoTokenizer.from_pretrained(Path(out) / "run" / "final")
-    rows, _ = gsm8k.load_data("tiny", 1, tcfg.steps * tcfg.prompts_per_step, tcfg.seed)
-    prompts, _ = gsm8k.prompts_and_columns(tok, rows, tcfg.system_prompt, tcfg.template)
-    settings = planner.settings_of(gcfg, planner.prompt_tokens_of(tok, prompts), **asdict(tcfg),
-                                   **asdict(ecfg), **asdict(mcfg))
+            "--steps", str(steps), "--save-every", "0", "--out", str(run), *flags]
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "train_gsm8k.py"), *argv], cwd=root,
+                          stdout=sys.stderr)  # WHY: stdout carries only this check's JSON line
+    if proc.returncode != 0:
+        raise SystemExit(f"error: train_gsm8k.py {' '.join(argv)} failed (exit {proc.returncode})")
+    s = json.loads((run / "summary.json").read_text())
+    tcfg = s["train_config"]
+    tok = AutoTokenizer.from_pretrained(run / "final")
+    rows, _ = gsm8k.load_data("tiny", 1, tcfg["steps"] * tcfg["prompts_per_step"], tcfg["seed"])
+    prompts, _ = gsm8k.prompts_and_columns(tok, rows, tcfg["system_prompt"], tcfg["template"])
+    settings = planner.settings_of(grpo.GRPOConfig(**s["grpo_config"]),
+                                   planner.prompt_tokens_of(tok, prompts), **tcfg,
+                                   **s["engine_config"], **s["memory_config"])
     plan = planner.step_memory(planner.model_shape(planner.load_config(model)), settings)
     planned = max(plan["peak"], planner.eval_peak(plan)) / 2**20  # WHY: the run evaluates too
+    peak = s["peak_gpu_mb"]
     return {"check": "real-model", "model": "SmolLM2-135M-Instruct (GGUF)" if gguf and
             model == str(gguf) else "random weights, SmolLM2-135M's architecture",
-            "device": device, "steps": summary["steps"], "wall_seconds": summary["wall_seconds"],
-            "accuracy_before": summary["accuracy_before"],
-            "accuracy_after": summary["accuracy_after"], "peak_gpu_mb": peak,
-            "planned_peak_mb": planned, "planned_phase": plan["peak_phase"],
+            "device": s["device"], "steps": s["steps"], "wall_seconds": s["wall_seconds"],
+            "accuracy_before": s["accuracy_before"], "accuracy_after": s["accuracy_after"],
+            "peak_gpu_mb": peak, "planned_peak_mb": planned, "planned_phase": plan["peak_phase"],
             "plan_error": None if peak is None else peak / planned - 1}
 
 
