@@ -231,6 +231,9 @@ def main(argv=None):
                         "log-prob chunk 64, checkpointed, PPO + critic, stepped in backward and "
                         "lean activations; "
                         "exit 1 if one is off by > 15%%")
+    p.add_argument("--measure-runtime", action="store_true",
+                   help="measure the runtime's own memory, which no tensor holds, on a 0.1 M-"
+                        "parameter model (what planner.CPU_RUNTIME was set from)")
     p.add_argument("--jobs", type=int, default=1,
                    help="--plan-check: cases measured at once, each in its own process with its "
                         "own memory (default 1; 2 halves the time at small sizes)")
@@ -244,6 +247,15 @@ def main(argv=None):
     if min(a.logprob_chunk, a.lora_r) < 0:
         p.error("--logprob-chunk and --lora-r must be >= 0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if a.measure_runtime:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "1048576"  # WHY: as --plan-check measures
+        from importlib.metadata import version
+
+        from recipe import planner
+        mb = measure_runtime(a.threads)
+        print(json.dumps({"runtime_mb": mb, "planner_cpu_runtime_mb": planner.CPU_RUNTIME / 2**20,
+                          "threads": a.threads, "torch": version("torch")}))
+        return mb
     if a.plan_check:
         return plan_check(a.plan_check, a.threads, a.jobs)
     if a.worker:
@@ -293,6 +305,16 @@ VARIANTS = {"full": [], "LoRA r 16": ["--lora-r", "16"], "chunk 64": ["--logprob
             "lean activations": ["--lean-activations"]}
 
 
+def measure_runtime(threads: int) -> float:
+    """MB of the runtime's own memory, which no tensor holds (the code that from_pretrained and the
+    first optimizer step load, autograd's threads): a 0.1 M-parameter model's measured peak over
+    the imports less its planned tensors, which are a few MB. planner.CPU_RUNTIME is this, measured
+    once on the reference machine; --plan-check measures it again to show whether it still holds."""
+    with contextlib.redirect_stdout(sys.stderr):
+        tiny = main(["--threads", str(threads)])
+    return tiny["peak_over_baseline_mb"] - tiny["planned_peak_mb"]
+
+
 def plan_check(sizes: str, threads: int, jobs: int = 1) -> list[dict]:
     """Each size x variant measured (a fresh worker each) against planner.py's prediction; a
     table, one JSON line, exit 1 if any is off by more than 15%. jobs: workers measuring at once.
@@ -305,13 +327,10 @@ def plan_check(sizes: str, threads: int, jobs: int = 1) -> list[dict]:
     if unknown:
         raise SystemExit(f"error: --plan-check: unknown size {unknown[0]!r} "
                          f"(known: {', '.join(SIZES)})")
+    from recipe import planner
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "1048576"
-    # The runtime's own memory, which no tensor holds (the code from_pretrained and the first
-    # optimizer step load, autograd's threads): measured on a 0.1 M-parameter model, where the
-    # tensors are a few MB, and added to every prediction below. On a GPU it stays in host RAM.
-    with contextlib.redirect_stdout(sys.stderr):
-        tiny = main(["--threads", str(threads)])
-    runtime_mb = tiny["peak_over_baseline_mb"] - tiny["planned_peak_mb"]
+    allowance_mb = planner.CPU_RUNTIME / 2**20
+    measured_now = measure_runtime(threads)
     cases = [(name, variant, [*SIZES[name], *extra, "--threads", str(threads)])
              for name in names for variant, extra in VARIANTS.items()]
     # WHY threads are enough: each case measures in its own worker process, which is what runs in
@@ -320,18 +339,28 @@ def plan_check(sizes: str, threads: int, jobs: int = 1) -> list[dict]:
         results = list(pool.map(lambda case: main(case[2]), cases))
     rows = []
     for (name, variant, _), res in zip(cases, results):
-        planned = res["planned_peak_mb"] + runtime_mb
+        tensors, measured = res["planned_peak_mb"], res["peak_over_baseline_mb"]
         rows.append({"size": name, "variant": variant, "parameters": res["parameters"],
-                     "measured_mb": res["peak_over_baseline_mb"], "planned_mb": planned,
-                     "error": res["peak_over_baseline_mb"] / planned - 1})
-    print(f"runtime memory (a 0.1 M-parameter model's peak over its tensors): {runtime_mb:.0f} MB,"
-          f" added to each plan\n\n| size | variant | measured MB (over the imports) | "
-          f"planned MB | off by |\n|---|---|---|---|---|")
+                     "measured_mb": measured, "planned_tensors_mb": tensors,
+                     "planned_mb": tensors + allowance_mb,
+                     "error": measured / (tensors + allowance_mb) - 1,
+                     "error_without_allowance": measured / tensors - 1})
+    print(f"the plan: the tensors' peak plus planner.CPU_RUNTIME, a fixed {allowance_mb:.0f} MB "
+          f"(measured in this run: {measured_now:.0f} MB)\n\n| size | variant | measured MB (over "
+          f"the imports) | planned MB | off by | planned without the allowance | off by |\n"
+          f"|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['size']} ({r['parameters'] / 1e6:.1f} M) | {r['variant']} | "
-              f"{r['measured_mb']:,.0f} | {r['planned_mb']:,.0f} | {r['error']:+.1%} |")
+              f"{r['measured_mb']:,.0f} | {r['planned_mb']:,.0f} | {r['error']:+.1%} | "
+              f"{r['planned_tensors_mb']:,.0f} | {r['error_without_allowance']:+.1%} |")
     worst = max(abs(r["error"]) for r in rows)
-    print(json.dumps({"plan_check": rows, "runtime_mb": runtime_mb, "max_abs_error": worst,
+    print(json.dumps({"plan_check": rows, "runtime_allowance_mb": allowance_mb,
+                      "runtime_measured_now_mb": measured_now, "max_abs_error": worst,
+                      "error_range": [min(r["error"] for r in rows),
+                                      max(r["error"] for r in rows)],
+                      "error_range_without_allowance": [
+                          min(r["error_without_allowance"] for r in rows),
+                          max(r["error_without_allowance"] for r in rows)],
                       "within_15pct": worst <= 0.15}))
     if worst > 0.15:
         raise SystemExit(1)

@@ -35,6 +35,12 @@ GiB = 2**30
 CUDA_RESERVE = GiB
 """Added to the tensors' peak before it is compared with a card: the CUDA context, cuBLAS's
 workspaces and the caching allocator's fragmentation. An allowance, not a measurement."""
+CPU_RUNTIME = 100 * 2**20
+"""Added to the tensors' peak for a run on a CPU: the runtime's own host memory, which no tensor
+holds (the code that from_pretrained and the first optimizer step load, autograd's threads).
+Measured once on the reference machine (x86_64 Linux, torch 2.13.0+cpu) as a 0.1 M-parameter
+model's peak over its tensors: `python benchmarks/memory_parts.py --measure-runtime --threads 2`,
+raw output in benchmarks/results/plan_check/. On a GPU it stays in host RAM, off the card."""
 PPO_CRITIC = "PPO + critic"
 
 
@@ -399,6 +405,9 @@ def render(name: str, shape: ModelShape, s: StepSettings, gpu_gb: float, res: di
     lines.append(f"| with the CUDA allowance ({gib(CUDA_RESERVE)}) | "
                  f"{gib(res['GRPO']['peak'] + CUDA_RESERVE)} | "
                  f"{gib(res[PPO_CRITIC]['peak'] + CUDA_RESERVE)} |")
+    lines.append(f"| on a CPU, with the runtime allowance ({gib(CPU_RUNTIME)}) | "
+                 f"{gib(res['GRPO']['peak'] + CPU_RUNTIME)} | "
+                 f"{gib(res[PPO_CRITIC]['peak'] + CPU_RUNTIME)} |")
     lines.append(f"| evaluation between steps (persistent parts + greedy decoding of "
                  f"{s.eval_batch_size} prompts) | {gib(eval_peak(res['GRPO']))} | "
                  f"{gib(eval_peak(res[PPO_CRITIC]))} |")
@@ -447,6 +456,7 @@ def plan_command(argv: list[str], parse_args) -> dict:
                                                 **asdict(ecfg), **asdict(mcfg))
     res = plan(shape, s, a.gpu_gb)
     out = {"model": name, "gpu_gb": a.gpu_gb, "cuda_reserve_bytes": CUDA_RESERVE,
+           "cpu_runtime_bytes": CPU_RUNTIME,
            "parameters": shape.params, "settings": asdict(s),
            **{m: {"parts_bytes": r["parts"], "phases_bytes": r["phases"],
                   "peak_phase": r["peak_phase"], "total_bytes": r["peak"], "fits": r["fits"],

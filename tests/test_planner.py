@@ -177,6 +177,9 @@ def test_plan_command_json_from_a_config_file_and_a_folder(tmp_path, capsys):
     assert train_gsm8k.cli(["plan", "--model", str(tmp_path), "--gpu-gb", "2"]) == 0
     text = capsys.readouterr().out
     assert "| weights |" in text and "GRPO: fits on 2 GiB" in text
+    # The CPU's fixed runtime allowance is shown, with its size, beside the CUDA one
+    assert f"on a CPU, with the runtime allowance ({planner.CPU_RUNTIME / planner.GiB:.2f})" in text
+    assert out["cpu_runtime_bytes"] == planner.CPU_RUNTIME
 
 
 def test_plan_without_a_model_plans_the_tiny_world(capsys):
@@ -230,3 +233,10 @@ def test_prediction_within_15_percent_of_measured_steps():
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(res["plan_check"]) == 7 and res["within_15pct"]
     assert all(abs(r["error"]) <= 0.15 for r in res["plan_check"])
+    # The plan checked is the tensors plus the fixed, documented allowance, not one calibrated in
+    # this run (a bug that fitted the allowance to the measurements would pass the bound above)
+    allowance = planner.CPU_RUNTIME / 2**20
+    assert res["runtime_allowance_mb"] == allowance
+    for r in res["plan_check"]:
+        assert r["planned_mb"] == pytest.approx(r["planned_tensors_mb"] + allowance)
+        assert r["error_without_allowance"] > r["error"]
