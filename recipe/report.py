@@ -72,7 +72,8 @@ WINDOW = 5
 """Steps a condition must hold on average before it warns. Our choice: one noisy step is not a
 trend, and five are still early in a 60-step run."""
 ZERO_REWARD_STEPS = 20
-"""Steps in a row of mean reward exactly 0 before that warning (the issue's number)."""
+"""Steps in a row of mean reward exactly 0 before that warning. Our choice: a third of the
+quick start's run with nothing to learn from is a run to stop and look at."""
 HEALTH = [  # (name, metric, holds(window mean, the first window's mean), message: value -> advice)
     ("truncation", "completions/clipped_ratio", lambda v, first: v > 0.5,
      "{:.0%} of completions hit --max-new-tokens before an EOS, so their answers are often cut "
@@ -173,7 +174,7 @@ class Reporter:
         if self.kind == "tensorboard":
             for k, v in numbers.items():
                 self.writer.add_scalar(k, v, step)
-                if wall_seconds is not None:  # WHY: accuracy against time, as the issue asks
+                if wall_seconds is not None:  # WHY: accuracy against wall time, a fair axis
                     self.writer.add_scalar(k + "_by_seconds", v, round(wall_seconds))
         elif self.kind == "wandb":
             self.writer.log({**numbers, **({"wall_seconds": wall_seconds}

@@ -62,6 +62,9 @@ def test_profile_parts_add_up_to_the_step():
     assert res["ratio_to_floor"] == pytest.approx(res["total"] / res["floor_s"])
     parts = ["generation", "no-grad log-probs", "train fwd+bwd", "optimizer", "everything else"]
     assert all(res[p] >= 0 for p in parts[:-1])
+    # "everything else" is the step less the timed parts: a part timed twice, or timed around
+    # work outside the step, would make it negative (no step can spend less than nothing)
+    assert res["everything else"] >= 0
     # medians of parts need not sum exactly to the median total; within 20% they must
     assert sum(res[p] for p in parts) == pytest.approx(res["total"], rel=0.2)
     assert res["generation"] > 0 and res["train fwd+bwd"] > 0 and res["no-grad log-probs"] > 0
@@ -72,9 +75,16 @@ def test_memory_parts_add_up_and_lora_needs_no_reference_copy():
     """The peak is the step's start plus its largest phase; backward holds gradients, so it rises
     above the step's start; with LoRA the reference costs nothing and AdamW's state is smaller."""
     full = run("benchmarks/memory_parts.py", "--hidden", "256", "--layers", "4")
-    assert full["peak_over_baseline_mb"] == pytest.approx(
-        full["step_start_mb"] + max(full["phases"].values()))
-    assert full["phases"]["backward"] > 0 and full["peak_phase"] in full["phases"]
+    # Each part against its count by hand, from below: a frozen reference is one fp32 copy of the
+    # weights, AdamW's state two, and backward holds at least the gradients, one more. A part read
+    # at the wrong moment (the reference before it is built, AdamW's state before its first step,
+    # a phase's peak taken before the phase) reads near 0 and fails. (From above RSS is loose at
+    # this size: glibc's arenas grow in steps, 29 MB for a 16 MB copy here.)
+    copy_mb = full["parameters"] * 4 / 2**20
+    assert full["reference_mb"] >= 0.9 * copy_mb
+    assert full["optimizer_mb"] >= 0.9 * 2 * copy_mb
+    assert full["phases"]["backward"] >= 0.9 * copy_mb
+    assert full["peak_phase"] in full["phases"]
     assert full["trainable"] == full["parameters"]
     pytest.importorskip("peft")
     small = run("benchmarks/memory_parts.py", "--hidden", "256", "--layers", "4", "--lora-r", "4")

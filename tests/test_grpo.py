@@ -114,16 +114,18 @@ def test_clip_eps_high():
 
 # --- 6. k3 KL ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("log_ref_ratio, expected",
-                         [(LN2, 2 - LN2 - 1), (-LN2, 0.5 + LN2 - 1), (0.0, 0.0)])
+                         [(LN2, 0.3068528), (-LN2, 0.1931472), (0.0, 0.0)])
 def test_k3_kl_hand_worked(log_ref_ratio, expected):
-    """k3 = π_ref/π_θ - log(π_ref/π_θ) - 1. At log-ratio ln 2: 2 - 0.6931 - 1 = 0.3069;
-    at -ln 2: 0.5 + 0.6931 - 1 = 0.1931; at 0: 0. With A = 0 and β = 1 the loss is exactly β·k3."""
+    """k3 = π_ref/π_θ - log(π_ref/π_θ) - 1. At log-ratio ln 2: 2 - 0.6931472 - 1 = 0.3068528;
+    at -ln 2: 0.5 + 0.6931472 - 1 = 0.1931472; at 0: 0. With A = 0 and β = 1 the loss is exactly
+    β·k3. Fails on the other common estimators: k1 = -log ratio gives -0.6931 and +0.6931, k2 =
+    (log ratio)²/2 gives 0.2402 at both, and the ratio the wrong way round (π_θ/π_ref) swaps the
+    first two values."""
     logp = torch.zeros(1, 1)
     loss, stats = grpo.grpo_loss(logp, logp, logp + log_ref_ratio, torch.zeros(1), torch.ones(1, 1),
                                  beta=1.0)
     assert stats["kl"] == pytest.approx(expected, abs=1e-6)
     assert loss.item() == pytest.approx(expected, abs=1e-6)
-    assert round(expected, 4) in (0.3069, 0.1931, 0.0)
 
 
 def test_kl_gradient_pulls_toward_reference():

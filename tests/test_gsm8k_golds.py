@@ -1,29 +1,21 @@
 """Every GSM8K gold solution (train + test, 8,792 items) is read correctly by correctness_reward.
 
-Needs: the GSM8K JSONL files in the folder named by the GSM8K_DIR environment variable (.ci/run sets
-it to ../shared/data/gsm8k). Skips, saying so, when it is unset. About 2 s.
+Needs: GSM8K's JSONL files, `python -m pytest --gsm8k-dir=DIR` or GSM8K_DIR (conftest.py; .ci/run
+sets it). Skips, saying how to run it, without them. About 2 s.
 """
 
 import json
-import os
 import re
-from pathlib import Path
 
 import pytest
 
 from rewards import correctness_reward
 
-GSM8K_DIR = os.environ.get("GSM8K_DIR")
-
-
 @pytest.fixture(scope="module")
-def golds():
-    if not GSM8K_DIR:
-        pytest.skip("GSM8K_DIR is not set: point it at a folder with GSM8K's train.jsonl and "
-                    "test.jsonl")
+def golds(gsm8k_dir):
     items = []
     for split in ("train", "test"):
-        path = Path(GSM8K_DIR) / f"{split}.jsonl"
+        path = gsm8k_dir / f"{split}.jsonl"
         items += [json.loads(line)["answer"] for line in path.read_text().splitlines()
                   if line.strip()]
     return items

@@ -42,6 +42,13 @@ def test_committed_notebook_shows_its_plots_and_ends_with_a_checked_exercise(pat
               if "image/png" in o.get("data", {})]
     assert images, f"{path.name} was committed without its plot outputs"
     assert nb.cells[0].cell_type == "markdown" and "What you will learn" in nb.cells[0].source
-    assert any("def check(" in c.source for c in nb.cells if c.cell_type == "code")
+    (exercise,) = [c for c in nb.cells if c.cell_type == "code" and "def check(" in c.source]
+    # An exercise shows a hint, not its answer: the committed run prints only the request to
+    # answer (a self-check that printed "Right: 1.4997" gave the answer away)
+    printed = "".join(o.get("text", "") for o in exercise.get("outputs", []))
+    assert printed.strip() == "Replace None with your answer and run this cell again.", printed
+    # and its checker is checked, silently, against a right answer worked out independently and
+    # against a plausible wrong one
+    assert "assert is_right(" in exercise.source and "not is_right(" in exercise.source
     assert not [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
                 if o.output_type == "error"]

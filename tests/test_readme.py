@@ -64,3 +64,58 @@ def test_reference_lists_every_grpo_config_field_and_no_other():
     rows = re.findall(r"^\| `(\w+)`", text[start:text.index("\n\n", start)], re.M)
     fields = [f.name for f in dataclasses.fields(grpo.GRPOConfig)]
     assert sorted(rows) == sorted(fields)
+
+
+# --- every figure the README states is in the page or raw result its section cites ---------------
+FIGURE = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+|\d+(?=\s?%)")
+NOT_FIGURES = [
+    re.compile(r"```.*?```", re.S),                    # commands
+    re.compile(r"`[^`\n]*`"),                          # code, paths, flags
+    re.compile(r"\]\([^)]*\)"),                        # link targets
+    re.compile(r"\d+\.\d+\.\d+\w*"),                   # versions (torch 2.13.0)
+    re.compile(r"arXiv \d+\.\d+|§[\d.]+|eq\. \d+"),    # the paper's numbers
+]
+UNCHECKED = {"Where each equation lives", "Files", "Citation"}  # no figures: equations, layout
+
+
+def sections() -> dict[str, str]:
+    """The README by `## ` heading; the text above the first is "intro"."""
+    parts = re.split(r"^## (.+)$", README, flags=re.M)
+    return {"intro": parts[0], **dict(zip(parts[1::2], parts[2::2]))}
+
+
+def cited_text(section: str) -> str:
+    """What a README section cites: the docs pages it links and the raw results it names under
+    benchmarks/results/ (a file, or every file in a folder)."""
+    texts = []
+    for page in re.findall(r"\]\((docs/[\w.-]+\.md)\)", section):
+        texts.append((ROOT / page).read_text())
+    for path in re.findall(r"`(benchmarks/results/[^`\s]+)`", section):
+        p = ROOT / path
+        files = [p] if p.is_file() else sorted(q for q in p.rglob("*") if q.is_file())
+        texts += [f.read_text(errors="replace") for f in files]
+    return "\n".join(texts)
+
+
+def figures(section: str) -> list[str]:
+    for pattern in NOT_FIGURES:
+        section = pattern.sub(" ", section)
+    return FIGURE.findall(section)
+
+
+def test_every_readme_figure_is_in_what_its_section_cites():
+    """A figure in the README (a decimal, a number with thousands separators, a percentage) must
+    appear in a docs page its section links or a raw result it names: a number edited in one
+    place and not the other, or one with no source, fails here. Small counts (steps, seeds, G)
+    are settings, not figures, and are not checked."""
+    missing, checked = [], 0
+    for title, text in sections().items():
+        if title in UNCHECKED:
+            continue
+        cited = cited_text(text)
+        for fig in figures(text):
+            checked += 1
+            if not re.search(rf"(?<![\d.,]){re.escape(fig)}(?![\d]|[.,]\d)", cited):
+                missing.append(f"{title}: {fig}")
+    assert checked >= 40, checked
+    assert not missing, "not in the pages or results their section cites: " + "; ".join(missing)

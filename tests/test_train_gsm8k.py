@@ -1,9 +1,9 @@
 """train_gsm8k.py end to end on tiny settings, its outputs, its bad-input errors, and the
 qwen2.5-0.5b preset's code path on a small locally built Qwen2 model with a chat template.
 
-Needs: torch, transformers, matplotlib. GSM8K_DIR for the Qwen-path test (skips without it). CPU,
-offline. The warm-start cache goes to a temporary folder, so nothing here reuses a checkpoint from
-elsewhere.
+Needs: torch, transformers, matplotlib; GSM8K (`--gsm8k-dir`, conftest.py) for the Qwen-path test,
+which skips without it. CPU, offline. The warm-start cache goes to a temporary folder, so nothing
+here reuses a checkpoint from elsewhere.
 """
 
 import json
@@ -247,14 +247,11 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
 
 
 @pytest.mark.slow
-def test_qwen_preset_code_path_on_local_qwen2_and_gsm8k(tmp_path, capsys):
+def test_qwen_preset_code_path_on_local_qwen2_and_gsm8k(tmp_path, capsys, gsm8k_dir):
     """The Qwen preset (bf16 autocast, gradient checkpointing, a chat template) on a tiny Qwen2 and
     real GSM8K rows, with compiled decoding on, as --compile auto sets it for the preset's 200
     steps x 512 tokens."""
-    gsm8k = os.environ.get("GSM8K_DIR")
-    if not gsm8k:
-        pytest.skip("GSM8K_DIR is not set: point it at a folder with GSM8K's train.jsonl and "
-                    "test.jsonl")
+    gsm8k = str(gsm8k_dir)
     from transformers import Qwen2Config, Qwen2ForCausalLM
     tok = tiny_world.char_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
@@ -403,16 +400,60 @@ def test_maj_and_pass_by_hand():
     assert gsm8k.maj_and_pass(["hmm", "no"], row) == (False, False)
 
 
-def test_eval_of_a_run_folder_matches_its_own_final_evaluation(tmp_path, cache, capsys):
-    """`eval --model <a run's --out>` loads its final/; on the same 6 held-out problems and token
-    cap, its greedy accuracy is the run's own accuracy_after, and Pass@K >= Maj@K."""
-    out = tmp_path / "run"
-    summary = train_gsm8k.main([*TINY_FLAGS, "--out", str(out)])
+# The eval tests start from a model that answers its problems right, then train it on them at a
+# learning rate that makes it forget: eval must give the trained model's accuracy, and a bug that
+# evaluated the starting weights (or dropped LoRA's adapters) gives accuracy_before instead. (Runs
+# from a 5-step warm start answer nothing, so any weights would have matched at 0.)
+EVAL_N, EVAL_TOKENS = 8, 64
+EVAL_FLAGS = ["--steps", "2", "--eval-size", str(EVAL_N), "--prompts-per-step", "2",
+              "--group-size", "4", "--max-new-tokens", str(EVAL_TOKENS), "--threads", "1",
+              "--lr", "1e-2"]
+
+
+@pytest.fixture(scope="module")
+def answering(tmp_path_factory):
+    """(a model folder, a data folder): a tiny-world Llama fit for 90 steps to EVAL_N problems'
+    solutions, which it then answers mostly right (greedy) and not always (sampled, so GRPO's
+    groups carry a signal), and those problems as both train.jsonl and test.jsonl. About 5 s."""
+    tok = tiny_world.char_tokenizer()
+    torch.manual_seed(0)
+    model = tiny_world.tiny_llama(tok, hidden=64, layers=2, heads=4)
+    rows = tiny_world.make_problems(EVAL_N, "test", seed=0)
+    enc = tok([tiny_world.prompt_of(r["question"]) + r["answer"] + tok.eos_token for r in rows],
+              return_tensors="pt", padding=True, add_special_tokens=False)
+    labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(90):
+        model(**enc, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    out = tmp_path_factory.mktemp("answering")
+    model.save_pretrained(out / "model")
+    tok.save_pretrained(out / "model")
+    for split in ("train", "test"):
+        (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out / "model", out
+
+
+def eval_json(model, data, k, capsys) -> dict:
     capsys.readouterr()
-    assert train_gsm8k.cli(["eval", "--model", str(out), "--data", "tiny", "--limit", "6",
-                            "--k", "4", "--max-new-tokens", "20", "--json"]) == 0
-    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert res["problems"] == 6 and res["greedy_accuracy"] == summary["accuracy_after"]
+    assert train_gsm8k.cli(["eval", "--model", str(model), "--data", str(data), "--limit",
+                            str(EVAL_N), "--k", str(k), "--max-new-tokens", str(EVAL_TOKENS),
+                            "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_eval_of_a_run_folder_matches_its_own_final_evaluation(tmp_path, answering, capsys):
+    """`eval --model <a run's --out>` loads its final/; on the same held-out problems and token
+    cap, its greedy accuracy is the run's own accuracy_after, and Pass@K >= Maj@K."""
+    model, data = answering
+    out = tmp_path / "run"
+    summary = train_gsm8k.main(["--model", str(model), "--data", str(data), *EVAL_FLAGS,
+                                "--out", str(out)])
+    assert summary["accuracy_before"] > summary["accuracy_after"]  # the run moved it
+    assert eval_json(model, data, 2, capsys)["greedy_accuracy"] == summary["accuracy_before"]
+    res = eval_json(out, data, 4, capsys)
+    assert res["problems"] == EVAL_N and res["greedy_accuracy"] == summary["accuracy_after"]
     assert 0 <= res["maj@4"] <= res["pass@4"] <= 1
 
 
@@ -428,20 +469,19 @@ def test_bad_eval_input_is_one_line(argv, says, capsys):
     assert says in err and len(err.splitlines()) == 1, err
 
 
-def test_eval_of_a_lora_checkpoint_merges_it_onto_its_base(tmp_path, cache, capsys):
+def test_eval_of_a_lora_checkpoint_merges_it_onto_its_base(tmp_path, answering, capsys):
     """A LoRA run's last checkpoint holds adapters only; eval puts them on the base model their
-    adapter_config.json names and merges: the same greedy accuracy as the run's final/. A
-    checkpoint that names no base is one line."""
+    adapter_config.json names and merges: the same greedy accuracy as the run's final/, not the
+    base's. A checkpoint that names no base is one line."""
     pytest.importorskip("peft", reason="LoRA needs peft")
+    model, data = answering
     out = tmp_path / "lora"
-    summary = train_gsm8k.main([*TINY_FLAGS, "--lora-r", "4", "--lr", "1e-2", "--out", str(out)])
-    capsys.readouterr()
+    summary = train_gsm8k.main(["--model", str(model), "--data", str(data), *EVAL_FLAGS,
+                                "--lora-r", "4", "--out", str(out)])
+    assert summary["accuracy_before"] > summary["accuracy_after"]
     (ckpt,) = out.glob("checkpoint-*")
     assert (ckpt / "adapter_config.json").exists() and not (ckpt / "config.json").exists()
-    assert train_gsm8k.cli(["eval", "--model", str(ckpt), "--data", "tiny", "--limit", "6",
-                            "--k", "2", "--max-new-tokens", "20", "--json"]) == 0
-    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert res["greedy_accuracy"] == summary["accuracy_after"]
+    assert eval_json(ckpt, data, 2, capsys)["greedy_accuracy"] == summary["accuracy_after"]
     (tmp_path / "bare").mkdir()
     (tmp_path / "bare" / "adapter_config.json").write_text("{}")
     with pytest.raises(train_gsm8k.InputError, match="names no base model"):
