@@ -90,6 +90,7 @@ import functools
 import inspect
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence, get_args, get_origin, get_type_hints
 
@@ -648,6 +649,16 @@ def make_optimizer(policy, cfg: GRPOConfig):
     """AdamW over the trainable parameters. PAPER: AdamW (§4.2, lr 1e-6 for the 7B model; the
     tiny world's 0.5 M-parameter model wants 1e-4, see train_gsm8k.py's presets)."""
     params = [p for p in policy.parameters() if p.requires_grad]
+    # NOTE: AdamW's step on a bf16 or fp16 weight is lost below the dtype's resolution. bf16 keeps
+    #       8 bits of mantissa, so a weight near 0.02 moves in steps of about 1e-4, and an update of
+    #       lr 1e-6 rounds to nothing, with no error. transformers loads a checkpoint in its own
+    #       dtype (bf16 for Qwen2.5 and SmolLM2) unless given dtype=torch.float32.
+    low = sorted({str(p.dtype) for p in params if p.dtype in (torch.bfloat16, torch.float16)})
+    if low:
+        warnings.warn(f"make_optimizer: trainable weights in {', '.join(low)}: AdamW's updates "
+                      f"below that dtype's resolution are rounded away, so lr {cfg.lr:g} may "
+                      f"move nothing; load the model with dtype=torch.float32 (and compute in "
+                      f"bf16 with torch.autocast)", stacklevel=2)
     # WHY (memory, speed): the fused kernel updates each tensor in one pass: no model-sized
     #      temporaries (AdamW's foreach default makes them on a GPU; TRL fuses too), and on a CPU
     #      about twice as fast as the default plain loop (docs/speed.md).

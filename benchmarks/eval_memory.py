@@ -41,7 +41,7 @@ def main(argv=None):
     import torch
     import grpo
     from machinery import engine
-    from recipe import checkpoint, gsm8k, planner
+    from recipe import checkpoint, gsm8k, planner, tasks
     torch.set_num_threads(a.threads)
     res = {"model": a.model, "rows": a.rows, "max_new_tokens": a.max_new_tokens,
            "baseline_mb": status_mb("VmRSS")}
@@ -49,7 +49,7 @@ def main(argv=None):
     model = grpo.disable_dropout(model).eval()
     res["weights_mb"] = status_mb("VmRSS") - res["baseline_mb"]
     rows = gsm8k.load_data(a.data, a.rows, 0)[1]
-    prompts = [gsm8k.make_prompt(tok, r["question"], gsm8k.GSM8K_SYSTEM_PROMPT) for r in rows]
+    prompts = [tasks.gsm8k_prompt(tok, r["question"], gsm8k.GSM8K_SYSTEM_PROMPT) for r in rows]
     caches = []
     model.register_forward_hook(lambda m, args, kw, out: caches.append(
         out["cache"] if "cache" in out else out["past_key_values"]), with_kwargs=True)

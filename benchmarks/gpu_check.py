@@ -200,7 +200,7 @@ def real_model(device: str, steps: int, out: str, flags: list[str]) -> dict:
     import subprocess
     from transformers import AutoTokenizer
     import grpo
-    from recipe import checkpoint, gsm8k, planner
+    from recipe import checkpoint, gsm8k, planner, tasks
     gguf = checkpoint.offline_copy("HuggingFaceTB/SmolLM2-135M-Instruct")
     real = gguf is not None and gguf.exists()
     model = str(gguf) if real else str(Path(out) / "smollm2-random")
@@ -218,7 +218,8 @@ def real_model(device: str, steps: int, out: str, flags: list[str]) -> dict:
     tcfg = s["train_config"]
     tok = AutoTokenizer.from_pretrained(run / "final")
     rows, _ = gsm8k.load_data("tiny", 1, tcfg["steps"] * tcfg["prompts_per_step"], tcfg["seed"])
-    prompts, _ = gsm8k.prompts_and_columns(tok, rows, tcfg["system_prompt"], tcfg["template"])
+    prompts, _ = tasks.prompts_and_columns(tok, tasks.gsm8k_rows(rows, tcfg["template"]),
+                                           tcfg["system_prompt"])
     settings = planner.settings_of(grpo.GRPOConfig(**s["grpo_config"]),
                                    planner.prompt_tokens_of(tok, prompts), **tcfg,
                                    **s["engine_config"], **s["memory_config"])

@@ -52,12 +52,12 @@ def main(argv=None):
     import grpo
     import rewards
     from machinery import engine, precision
-    from recipe import checkpoint, gsm8k
+    from recipe import checkpoint, gsm8k, tasks
     torch.set_num_threads(a.threads)
     model, tok = checkpoint.load_pretrained(a.model)
     model = grpo.disable_dropout(model)
     rows = gsm8k.load_data(a.data, 4, 4)[0][:4]
-    prompts = [gsm8k.make_prompt(tok, r["question"], gsm8k.GSM8K_SYSTEM_PROMPT) for r in rows]
+    prompts = [tasks.gsm8k_prompt(tok, r["question"], gsm8k.GSM8K_SYSTEM_PROMPT) for r in rows]
     cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=96, micro_batch_size=16, lr=1e-6)
     fast = engine.apply(engine.EngineConfig(), grpo.Seams(), grpo.eos_token_ids(model, tok),
                         grpo.pad_token_id(model, tok))

@@ -116,7 +116,10 @@ def sft_control_run(out: Path, seed: int, seconds: float, settings, threads: int
     import torch
 
     from recipe import checkpoint
+    import rewards
+    from recipe import evaluation
     from recipe import gsm8k
+    from recipe import tasks
     from recipe import tiny_world
     t, gcfg, name = settings  # WHY the run's own model name: the control starts from that model
     torch.set_num_threads(threads)
@@ -124,7 +127,7 @@ def sft_control_run(out: Path, seed: int, seconds: float, settings, threads: int
     ws = tiny_world.WarmStartConfig(steps=t["warm_start_steps"], seed=t["warm_start_seed"],
                                     slip=t.get("warm_start_slip", "answer"))
     model, tok = checkpoint.load_pretrained(str(tiny_world.warm_start(ws, log=lambda *a: None)))
-    _, eval_rows = gsm8k.load_data("tiny", t["eval_size"], n_train=1)
+    eval_rows = tasks.gsm8k_rows(gsm8k.load_data("tiny", t["eval_size"], n_train=1)[1])
 
     import grpo
     from machinery import engine  # WHY: the sampler a GRPO run's own evaluation uses
@@ -132,8 +135,9 @@ def sft_control_run(out: Path, seed: int, seconds: float, settings, threads: int
                           grpo.pad_token_id(model, tok)).sample
 
     def evaluate(desc):
-        return gsm8k.evaluate(model, tok, eval_rows, gcfg, t["system_prompt"],
-                              t["eval_batch_size"], desc=desc, sample=sample)
+        return evaluation.evaluate(model, tok, rewards.correctness_reward, eval_rows, gcfg,
+                                   t["system_prompt"], t["eval_batch_size"], desc=desc,
+                                   sample=sample)
 
     before, start = evaluate("eval before"), time.perf_counter()
     steps = tiny_world.more_supervised_steps(model, tok, seconds, ws, seed=seed)

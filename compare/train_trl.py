@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # WHY: run as a
 
 import grpo  # noqa: E402
 from recipe import gsm8k  # noqa: E402
+from recipe import tasks  # noqa: E402
 from recipe.flags import InputError  # noqa: E402
 
 
@@ -70,6 +71,7 @@ def parse_args(argv=None):
 def main(argv=None):
     a = parse_args(argv)
     try:
+        import torch
         from datasets import Dataset
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from trl import GRPOConfig, GRPOTrainer
@@ -83,7 +85,7 @@ def main(argv=None):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     dataset = Dataset.from_list([
-        {"prompt": gsm8k.make_prompt(tokenizer, r["question"], a.system_prompt),
+        {"prompt": tasks.gsm8k_prompt(tokenizer, r["question"], a.system_prompt),
          "question": r["question"], "answer": r["answer"]} for r in train_rows])
 
     args = GRPOConfig(
@@ -97,7 +99,9 @@ def main(argv=None):
         reward_weights=gsm8k.DEFAULT_REWARD_WEIGHTS,
         use_vllm=a.use_vllm, logging_steps=1, save_strategy="no",
     )
-    model = AutoModelForCausalLM.from_pretrained(a.model)
+    # WHY fp32: a checkpoint loads in its own dtype (bf16 for Qwen2.5), where AdamW's small
+    #      updates are rounded away; --bf16 computes in bf16 over fp32 weights.
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
     trainer = GRPOTrainer(model=model, reward_funcs=gsm8k.REWARD_FUNCS, args=args,
                           train_dataset=dataset, processing_class=tokenizer)
     trainer.train()

@@ -1,8 +1,8 @@
 """
 flags.py -- command-line flags generated from config dataclasses by transformers' HfArgumentParser.
 
-    parser = flag_parser([(TrainConfig, preset_overrides, "run"), (GRPOConfig, {}, "GRPO")],
-                         presets=PRESETS, description="...")
+    parser = flag_parser([(TrainConfig, {}, "run"), (GRPOConfig, {}, "GRPO")],
+                         presets={"tiny": {"steps": 60, "lr": 1e-4}}, description="...")
     args = vars(parser.parse_args(argv))        # every field of every dataclass, by name
 
 Each field becomes `--field-name` (and `--field_name`), typed from its annotation (int, float, str,
@@ -65,12 +65,14 @@ def flags_view(cls, defaults: dict, title: str, presets: dict[str, dict], choice
     docs, types, fields = field_docs(cls), typing.get_type_hints(cls), []
     for f in dataclasses.fields(cls):
         shown = "".join(f"; {p}: {over[f.name]!r}" for p, over in presets.items() if f.name in over)
+        own = f.default_factory() if f.default is dataclasses.MISSING else f.default
         meta = {
-            "help": f"{docs.get(f.name, '')} (default: {f.default!r}{shown})".replace("%", "%%")
+            "help": f"{docs.get(f.name, '')} (default: {own!r}{shown})".replace("%", "%%")
         }
         if f.name in choices:
             meta["choices"] = choices[f.name]
-        value = defaults.get(f.name, f.default)
+        meta.update(f.metadata.get("argparse", {}))  # e.g. action="extend" for a repeated flag
+        value = defaults.get(f.name, own)
         # WHY: a dataclass refuses a list as a plain default; a factory gives each parse a copy
         default = (dict(default_factory=lambda v=value: list(v)) if isinstance(value, list)
                    else dict(default=value))
@@ -80,14 +82,13 @@ def flags_view(cls, defaults: dict, title: str, presets: dict[str, dict], choice
     return view
 
 
-def flag_parser(configs: list[tuple[type, dict, str]], presets: dict[str, tuple[dict, ...]],
+def flag_parser(configs: list[tuple[type, dict, str]], presets: dict[str, dict],
                 description: str, choices: dict[str, list] | None = None) -> OneLineParser:
     """One parser for several dataclasses. configs: [(class, defaults, --help section title)];
-    presets: {name: (overrides of each class, in order)}, shown in --help;
+    presets: {name: {field: value}} over every class's fields, shown in --help;
     choices: {field: allowed values}."""
-    views = [flags_view(cls, defaults, title, {p: over[i] for p, over in presets.items()
-                                               if i < len(over)}, choices or {})
-             for i, (cls, defaults, title) in enumerate(configs)]
+    views = [flags_view(cls, defaults, title, presets, choices or {})
+             for cls, defaults, title in configs]
     parser = OneLineParser(views, formatter_class=argparse.HelpFormatter, description=description)
     for f in (f for view in views for f in dataclasses.fields(view)):
         if f.type is bool and f.default is False:
@@ -101,10 +102,14 @@ def flag_parser(configs: list[tuple[type, dict, str]], presets: dict[str, tuple[
 def parse_configs(argv, configs, presets: dict, may_change: set[str], saved_state, choices: dict,
                   description: str, preset_for=None) -> list:
     """One instance of each dataclass in `configs` ([(class, state key, --help title)]) from argv.
-    Flags override the preset (--preset NAME: {name: (overrides of each class, in order)}), which
-    overrides the field defaults. Without --preset: preset_for(--model)'s, else the first class's
-    default. --resume DIR: saved_state(DIR)'s settings instead of a preset's, and a flag outside
-    `may_change` that differs from them is refused."""
+    Flags override the preset (--preset NAME: {name: {field: value}}, flat over every class's
+    fields), which overrides the field defaults. Without --preset: preset_for(--model)'s, else the
+    first class's default. --resume DIR: saved_state(DIR)'s settings instead of a preset's, and a
+    flag outside `may_change` that differs from them is refused."""
+    names = {f.name for cls, _, _ in configs for f in dataclasses.fields(cls)}
+    unknown = sorted({k for preset in presets.values() for k in preset} - names)
+    if unknown:  # NOTE: a typo in a preset would otherwise be ignored in silence
+        raise ValueError(f"a preset sets {unknown}, which no config has")
     first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # WHY: defaults hang on it
     first.add_argument("--preset", default=None)
     first.add_argument("--model", default="")
@@ -117,10 +122,10 @@ def parse_configs(argv, configs, presets: dict, may_change: set[str], saved_stat
     #     dataclass (gradient_checkpointing into MemoryConfig, say) resumes with its own value,
     #     and a field it never had takes its default.
     flat = {k: v for _, key, _ in configs for k, v in (state.get(key) or {}).items()}
-    overrides = list(presets.get(known.preset, ())) + [{}] * len(configs)
-    overrides[0] = {"preset": known.preset, **overrides[0]}     # WHY: the name the run records
-    saved = ([{f.name: flat[f.name] for f in dataclasses.fields(cls) if f.name in flat}
-              for cls, _, _ in configs] if state else overrides)[:len(configs)]
+    # WHY "preset": the name the run records
+    chosen = flat if state else {**presets.get(known.preset, {}), "preset": known.preset}
+    saved = [{f.name: chosen[f.name] for f in dataclasses.fields(cls) if f.name in chosen}
+             for cls, _, _ in configs]
     parser = flag_parser([(cls, over, title) for (cls, _, title), over in zip(configs, saved)],
                          presets, description, choices)
     args = vars(parser.parse_args(argv))

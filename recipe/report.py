@@ -17,6 +17,7 @@ from pathlib import Path
 from recipe.flags import InputError
 
 LOGS = ("metrics.jsonl", "samples.jsonl")  # cut back to the checkpoint's step on --resume
+GSM8K_SCORE = "correctness_reward"  # the held-out score's reward whose mean is an accuracy
 
 
 class RunLog:
@@ -25,10 +26,10 @@ class RunLog:
     and the health warnings. `metrics` holds every step so far (a resumed run's too)."""
 
     def __init__(self, out: Path, fresh: bool, report_to: str, state: dict,
-                 num_iterations: int = 1):
+                 num_iterations: int = 1, score: str = GSM8K_SCORE):
         # WHY first: a missing tensorboard or wandb stops the run before any log is touched
         self.reporter = Reporter(report_to, out, {**state["train_config"], **state["grpo_config"]})
-        self.out, self.health = out, Health(num_iterations)
+        self.out, self.health, self.score = out, Health(num_iterations), score
         if fresh:
             for name in LOGS:
                 (out / name).write_text("")
@@ -47,9 +48,11 @@ class RunLog:
                     f.write(json.dumps({"step": step, **s}) + "\n")
         self.reporter.log(m, step)
         # NOTE: under process supervision `reward` is the final-answer step's reward (accuracy).
-        acc = m.get("rewards/correctness_reward", m["reward"])
-        bar.set_postfix(reward=f"{m['reward']:.3f}", acc=f"{acc:.3f}", kl=f"{m['kl']:.4f}")
-        bar.write(f"step {step:4d}/{steps}  reward {m['reward']:.3f}  acc {acc:.3f}  "
+        acc = m.get(f"rewards/{self.score}", m["reward"])
+        name = "acc" if self.score == GSM8K_SCORE else "score"  # the task's first reward
+        bar.set_postfix({"reward": f"{m['reward']:.3f}", name: f"{acc:.3f}",
+                         "kl": f"{m['kl']:.4f}"})
+        bar.write(f"step {step:4d}/{steps}  reward {m['reward']:.3f}  {name} {acc:.3f}  "
                   f"zero-std {m['frac_reward_zero_std']:.2f}  kl {m['kl']:.4f}  "
                   f"len {m['completions/mean_length']:.1f}  entropy {m['entropy']:.3f}  "
                   f"{m['step_time']:.1f}s"
@@ -187,8 +190,10 @@ class Reporter:
 
 def results_table(summary: dict, out: Path) -> str:
     """The run's before/after table (also written to out/results.md)."""
-    s = summary
-    table = (f"| held-out greedy accuracy ({s['eval_size']} problems) | before | after | change |\n"
+    s, score = summary, summary.get("score", GSM8K_SCORE)
+    what = (f"accuracy ({s['eval_size']} problems)" if score == GSM8K_SCORE
+            else f"score (mean {score}, {s['eval_size']} rows)")
+    table = (f"| held-out greedy {what} | before | after | change |\n"
              f"|---|---|---|---|\n| {s['model']} | {s['accuracy_before']:.3f} | "
              f"{s['accuracy_after']:.3f} | {s['accuracy_gain']:+.3f} |\n\n{s['steps']} GRPO steps, "
              f"{s['wall_seconds'] / 60:.1f} min on {s['device']}; results in {out}/")
@@ -202,26 +207,28 @@ def moving_average(ys: list[float], window: int = WINDOW) -> list[float]:
 
 
 def plot_curves(metrics: list[dict], evals: list[tuple[int, float]], path: Path,
-                eval_size: int = 0, subset_size: int = 0) -> list[str]:
+                eval_size: int = 0, subset_size: int = 0, score: str = GSM8K_SCORE) -> list[str]:
     """One PNG of reward, accuracy, KL to the reference, clip ratio and completion length against
     step; returns its panels' titles. The accuracy panel has the training samples' and held-out
     greedy accuracy at each evaluation: the first and last on all eval_size problems, those
     between on the first subset_size. Each per-step line is drawn faint with its moving average
     over WINDOW steps on top; a panel whose values are all 0 (the clip ratio at μ = 1, where the
-    ratio is exactly 1) is left out."""
+    ratio is exactly 1) is left out. score: the reward whose mean is the held-out score (GSM8K's:
+    accuracy; another task's panel is titled by its name)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     steps = [m["step"] for m in metrics]
-    panels = [("reward", ["reward"]), ("accuracy", ["rewards/correctness_reward"]),
+    key, scored = f"rewards/{score}", "accuracy" if score == GSM8K_SCORE else f"score: {score}"
+    panels = [("reward", ["reward"]), (scored, [key]),
               ("KL to reference", ["kl"]), ("clip ratio", ["clip_ratio/low", "clip_ratio/high"]),
               ("completion length", ["completions/mean_length"])]
     # NOTE: under process supervision there is no rewards/correctness_reward; `reward` is the
     #       final answer's step reward, i.e. the accuracy.
-    values = {k: [m.get(k, m["reward"] if k == "rewards/correctness_reward" else math.nan)
+    values = {k: [m.get(k, m["reward"] if k == key else math.nan)
                   for m in metrics] for _, keys in panels for k in keys}
     panels = [(t, keys) for t, keys in panels
-              if t == "accuracy" or any(v != 0 for k in keys for v in values[k])]
+              if t == scored or any(v != 0 for k in keys for v in values[k])]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
     for ax, (title, keys) in zip(axes, panels):
         for k in keys:
@@ -229,7 +236,7 @@ def plot_curves(metrics: list[dict], evals: list[tuple[int, float]], path: Path,
             line, = ax.plot(steps, values[k], alpha=0.3, linewidth=1)
             ax.plot(steps, moving_average(values[k]), color=line.get_color(),
                     label=f"{label}, mean of {WINDOW}")
-        if title == "accuracy" and evals:
+        if title == scored and evals:
             ax.plot(*zip(*evals), "o-", color="black", markersize=4,
                     label=(f"held-out greedy ({eval_size} first and last, {subset_size} between)"
                            if len(evals) > 2 and subset_size else "held-out, greedy"))

@@ -385,3 +385,14 @@ def load_warm_start(steps: int, seed: int, log=print, slip: str = "answer"):
     name = (f"tiny-world warm start ({ws.steps} supervised steps, seed {ws.seed}"
             + ("" if slip == "answer" else f", {slip} slips") + ")")
     return (*load_pretrained(str(warm_start(ws, log=log)), name), name)
+
+
+def load_model(name: str, warm_start_steps: int = 800, warm_start_seed: int = 0, log=print,
+               slip: str = "answer"):
+    """(model, tokenizer, name) of --model: a hub id, a folder or a .gguf file
+    (checkpoint.load_pretrained); empty, the tiny world's warm start (load_warm_start), whose
+    settings are the run's --warm-start-* flags. WHY here: the warm start is a property of the
+    tiny world's model, so the loop loads every model the same way."""
+    if not name:
+        return load_warm_start(warm_start_steps, warm_start_seed, log, slip)
+    return (*load_pretrained(name), name)

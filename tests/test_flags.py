@@ -36,7 +36,7 @@ class Knobs:
 
 
 def parse(argv, defaults=None):
-    parser = flags.flag_parser([(Knobs, defaults or {}, "knobs")], {"demo": ({"cap": 7},)}, "test")
+    parser = flags.flag_parser([(Knobs, defaults or {}, "knobs")], {"demo": {"cap": 7}}, "test")
     return vars(parser.parse_args(argv)), parser
 
 
@@ -179,14 +179,15 @@ def test_a_run_saved_before_the_machinery_moved_out_resumes_with_its_own_setting
                                    "HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen/Qwen2.5-1.5B"])
 def test_a_real_model_never_gets_the_tiny_preset(model):
     """--model with no --preset: the real-model defaults (GSM8K, the paper's lr, the device found,
-    its GSM8K system prompt), whatever the model's form. The bug it catches: the tiny preset's
-    data, lr 1e-4, 96 tokens and CPU given silently to a pretrained model."""
-    from recipe import gsm8k
+    GSM8K's system prompt, the task's own), whatever the model's form. The bug it catches: the
+    tiny preset's data, lr 1e-4, 96 tokens and CPU given silently to a pretrained model."""
+    from recipe import gsm8k, tasks
     tcfg, gcfg, *_, mcfg, _ = train_gsm8k.parse_args(["--model", model])
     assert (tcfg.preset, tcfg.model, tcfg.data, tcfg.device) == ("real", model, "openai/gsm8k",
                                                                  "auto")
     assert (gcfg.lr, gcfg.max_new_tokens, mcfg.logprob_chunk) == (1e-6, 512, 1024)
-    assert tcfg.system_prompt == gsm8k.GSM8K_SYSTEM_PROMPT
+    assert tcfg.system_prompt is None  # not given: the task's own, GSM8K's
+    assert tasks.load_task("tiny", [], eval_size=1).system_prompt == gsm8k.GSM8K_SYSTEM_PROMPT
     tcfg, gcfg, *_ = train_gsm8k.parse_args(["--model", model, "--data", "d", "--lr", "3e-6"])
     assert (tcfg.preset, tcfg.data, gcfg.lr) == ("real", "d", 3e-6)        # flags still win
     tcfg, gcfg, *_ = train_gsm8k.parse_args(["--preset", "tiny", "--model", model])

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from recipe import evaluation
 from recipe import gsm8k
 from recipe import tiny_world
 import train_gsm8k
@@ -393,11 +394,12 @@ def test_maj_and_pass_by_hand():
     """Gold 5: answers 5, 3, 5, none -> Maj right, Pass right; 3, 3, 5 -> Maj wrong, Pass right;
     a 3-5 tie goes to 3, drawn first; no answer at all -> both wrong."""
     row = {"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"}
-    assert gsm8k.maj_and_pass(["#### 5", "#### 3", "so #### 5", "no idea"], row) == (True, True)
-    assert gsm8k.maj_and_pass(["#### 3", "#### 3", "#### 5"], row) == (False, True)
-    assert gsm8k.maj_and_pass(["#### 3", "#### 5"], row) == (False, True)
-    assert gsm8k.maj_and_pass(["#### 5", "#### 3"], row) == (True, True)
-    assert gsm8k.maj_and_pass(["hmm", "no"], row) == (False, False)
+    maj_and_pass = evaluation.maj_and_pass
+    assert maj_and_pass(["#### 5", "#### 3", "so #### 5", "no idea"], row) == (True, True)
+    assert maj_and_pass(["#### 3", "#### 3", "#### 5"], row) == (False, True)
+    assert maj_and_pass(["#### 3", "#### 5"], row) == (False, True)
+    assert maj_and_pass(["#### 5", "#### 3"], row) == (True, True)
+    assert maj_and_pass(["hmm", "no"], row) == (False, False)
 
 
 # The eval tests start from a model that answers its problems right, then train it on them at a
@@ -485,7 +487,7 @@ def test_eval_of_a_lora_checkpoint_merges_it_onto_its_base(tmp_path, answering, 
     (tmp_path / "bare").mkdir()
     (tmp_path / "bare" / "adapter_config.json").write_text("{}")
     with pytest.raises(train_gsm8k.InputError, match="names no base model"):
-        gsm8k.load_for_eval(str(tmp_path / "bare"))
+        evaluation.load_for_eval(str(tmp_path / "bare"))
 
 
 def test_ppo_with_a_critic_trains_on_the_tiny_world(tmp_path, cache):
