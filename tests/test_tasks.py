@@ -296,12 +296,12 @@ def test_your_task_runs_as_the_docs_say(tmp_path):
 
 
 def test_concise_reward_by_hand():
-    """Target "Oslo": alone 1.0; with "Norway" 0.5; in a six-word sentence 1/6; wrong 0; the
+    """Target "Oslo": alone 1.0; with "Norway" 0.5; in a six-word sentence 1/32; wrong 0; the
     exact reward counts only the word alone."""
     sys.path.insert(0, str(ROOT / "your_task"))
     import reward
     said = ["Oslo.", "Oslo, Norway", "The capital of Norway is Oslo.", "Bergen", ""]
-    assert reward.concise_reward(None, said, ["Oslo"] * 5) == [1.0, 0.5, 1 / 6, 0.0, 0.0]
+    assert reward.concise_reward(None, said, ["Oslo"] * 5) == [1.0, 0.5, 1 / 32, 0.0, 0.0]
     assert reward.exact_reward(None, said, ["Oslo"] * 5) == [1.0, 0.0, 0.0, 0.0, 0.0]
 
 

@@ -17,20 +17,21 @@ WORD = re.compile(r"[A-Za-z]+")
 
 
 def concise_reward(prompts, completions, target, **columns) -> list[float]:
-    """1 / (the number of words in the completion) when one of them is the target, else 0.
+    """1 for the target word alone, halved for each word that comes with it; 0 without it.
 
     WHY partial credit: a right answer in a sentence is still right, so it earns something, and
-    a group whose members all answer right still ranks the shorter answers higher. An
-    all-or-nothing "exactly one word" reward would give this model nothing: it never answers in
-    one word at first, so every group would be all zeros, with zero advantage.
+    within a group the shorter of two right answers earns twice as much per word left out, which
+    is what GRPO's group-standardised advantage ranks by. An all-or-nothing "exactly one word"
+    reward would give this model nothing: it never answers in one word at first, so every group
+    would be all zeros, with zero advantage.
 
     Example, target "Oslo": "Oslo." -> 1.0; "Oslo, Norway" -> 0.5;
-    "The capital of Norway is Oslo." -> 1/6; "Bergen" -> 0.0.
+    "The capital of Norway is Oslo." -> 1/32; "Bergen" -> 0.0.
     """
     scores = []
     for completion, word in zip(completions, target):
         words = [w.lower() for w in WORD.findall(completion)]
-        scores.append(1 / len(words) if word.lower() in words else 0.0)
+        scores.append(0.5 ** (len(words) - 1) if word.lower() in words else 0.0)
     return scores
 
 
