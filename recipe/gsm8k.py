@@ -57,18 +57,28 @@ R1_REWARD_WEIGHTS = [1.0, 0.5]
 # ----------------------------------------------------------------------------------------------
 # Data
 # ----------------------------------------------------------------------------------------------
-def read_jsonl(path: Path) -> list[dict]:
-    """GSM8K-format JSONL: one {"question": str, "answer": str} object per line."""
+def json_lines(path: Path) -> list[tuple[int, object]]:
+    """(line number, parsed value) of each non-blank line of a JSONL file. A missing or empty file,
+    or a line that is not JSON, raises InputError naming the file (and the line)."""
     if not path.is_file():
         raise InputError(f"data file {path} does not exist")
-    rows = []
+    values = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            values.append((n, json.loads(line)))
         except json.JSONDecodeError as e:
             raise InputError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+    if not values:
+        raise InputError(f"data file {path} has no rows")
+    return values
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """GSM8K-format JSONL: one {"question": str, "answer": str} object per line."""
+    rows = []
+    for n, row in json_lines(path):
         if not isinstance(row, dict) or not all(isinstance(row.get(k), str)
                                                 for k in ("question", "answer")):
             raise InputError(
@@ -80,8 +90,6 @@ def read_jsonl(path: Path) -> list[dict]:
             raise InputError(f"{path}:{n}: the answer has no final number "
                              f"(expected '#### <number>')") from None
         rows.append({"question": row["question"], "answer": row["answer"]})
-    if not rows:
-        raise InputError(f"data file {path} has no rows")
     return rows
 
 

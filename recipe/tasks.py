@@ -74,24 +74,14 @@ def prompt_error(prompt) -> str:
 def read_rows(path: Path) -> list[dict]:
     """TRL-format JSONL: one object per line with a 'prompt' and any other columns. A bad line
     raises InputError naming the file and line."""
-    if not path.is_file():
-        raise InputError(f"data file {path} does not exist")
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+    for n, row in gsm8k.json_lines(path):
         if not isinstance(row, dict) or "prompt" not in row:
             raise InputError(f"{path}:{n}: no 'prompt' column (a string, or a list of chat "
                              f"messages)")
         if why := prompt_error(row["prompt"]):
             raise InputError(f"{path}:{n}: {why}")
         rows.append(row)
-    if not rows:
-        raise InputError(f"data file {path} has no rows")
     return rows
 
 
@@ -205,8 +195,8 @@ def load_task(data: str, reward_specs: list[str], supervision: str = "outcome",
 
 def check_rewards(task: Task, cfg: grpo.GRPOConfig, specs: list[str] = ()):
     """Call every reward function once on two training rows before any model is loaded, with
-    empty completions, so one that returns the wrong number of values or a non-number fails now,
-    not at step 1 of a long run. A missing column fails here too."""
+    empty completions, so one that returns the wrong number of values or a non-number, or raises
+    (a column it reads that the rows lack, say), fails now, not at step 1 of a long run."""
     if cfg.supervision == "process":
         return  # WHY: step rewards are lists, checked by grpo.score_steps
     names = specs or [grpo.reward_name(f) for f in task.reward_funcs]
@@ -215,12 +205,15 @@ def check_rewards(task: Task, cfg: grpo.GRPOConfig, specs: list[str] = ()):
                          f"({', '.join(names)})")
     rows = task.train[:2]
     prompts = [render_prompt(None, r["prompt"]) for r in rows]  # NOTE: no tokenizer yet
-    try:
-        grpo.compute_rewards(task.reward_funcs, prompts, [""] * len(rows), columns_of(rows),
-                             cfg.reward_weights)
-    except (ValueError, TypeError) as e:
-        where = f" (--reward {', '.join(specs)})" if specs else ""
-        raise InputError(f"{str(e).splitlines()[0]}{where}") from None
+    for fn, name in zip(task.reward_funcs, names):
+        try:
+            grpo.compute_rewards([fn], prompts, [""] * len(rows), columns_of(rows))
+        except Exception as e:  # WHY: whatever a user's function raises, name it, in one line
+            # NOTE: compute_rewards' own checks already say "reward function 'f' returned ..."
+            why = (str(e) if str(e).startswith("reward function")
+                   else f"{type(e).__name__}: {e}").splitlines()[0]
+            raise InputError(f"--reward {name}: {why} (tried on two training rows with empty "
+                             f"completions)") from None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -197,17 +197,20 @@ def test_a_bad_row_names_its_file_and_line(task_dir, tmp_path, capsys, line, exp
     ("{d}/wrong_count.py:reward", "reward function 'reward' returned 1 values for 2 completions"),
     ("{d}/not_a_number.py:reward", "reward function 'reward' returned 'yes'; expected a number"),
     ("{d}/broken.py:reward", "importing {d}/broken.py failed: ZeroDivisionError"),
+    ("{d}/missing_column.py:reward", "--reward {d}/missing_column.py:reward: TypeError: "),
 ])
 def test_a_bad_reward_is_one_line_naming_it(task_dir, tmp_path, capsys, spec, expected):
     """A missing file, an undefined name, no name at all, a reward returning the wrong number of
-    floats or a non-number, or a file that raises on import: exit 2, one line, before any model
-    loads."""
+    floats or a non-number, a file that raises on import, or a reward that raises (a column the
+    rows lack): exit 2, one line, before any model loads."""
     data, _, model = task_dir
     (tmp_path / "wrong_count.py").write_text(
         "def reward(prompts, completions, **columns):\n    return [1.0]\n")
     (tmp_path / "not_a_number.py").write_text(
         "def reward(prompts, completions, **columns):\n    return ['yes'] * len(completions)\n")
     (tmp_path / "broken.py").write_text("1 / 0\n")
+    (tmp_path / "missing_column.py").write_text(  # reads a column the rows do not have
+        "def reward(prompts, completions, gold, **columns):\n    return [0.0] * len(gold)\n")
     argv = flags(data, tmp_path / "letters.py", model, tmp_path / "run")
     argv[argv.index("--reward") + 1] = spec.format(d=tmp_path)
     code = train_gsm8k.cli(argv)
