@@ -214,8 +214,10 @@ def parse_args(argv=None) -> list:
         choices={"preset": list(PRESETS), "compile": ["auto", "on", "off"],
                  "report_to": list(report.REPORT_TO), "template": list(gsm8k.TEMPLATES),
                  "warm_start_slip": list(tiny_world.SLIPS)},
-        description="Train a causal LM with GRPO and report held-out accuracy before and after; "
-                    "flags override --preset. Also: `plan --help` (fits a GPU?), `summarize DIRS`.")
+        description="Train a causal LM with GRPO on a task (--data, --reward; default: GSM8K's "
+                    "answer check on the tiny world) and report its held-out score before and "
+                    "after; flags override --preset. Also: `eval --help` (greedy, Maj@K, Pass@K), "
+                    "`plan --help` (fits a GPU?), `summarize DIRS`.")
     if bcfg.baseline == "critic" and (tcfg.resume or tcfg.lora_r or gcfg.dynamic_sampling):
         raise InputError("--baseline critic (PPO, ppo.py) trains every weight from the start: "
                          "not with --resume, --lora-r or --dynamic-sampling")

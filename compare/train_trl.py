@@ -14,7 +14,7 @@ AdamW state, or when generation is the wall and you want vLLM. grpo.py stays the
 what the math must be; TRL's GRPOTrainer runs it on accelerate / DeepSpeed / FSDP with vLLM.
 
 This script reuses this project's pieces unchanged: the data comes from gsm8k.load_data and
-gsm8k.make_prompt (the tiny world, a GSM8K JSONL folder, or the hub), and the rewards are
+tasks.gsm8k_prompt (the tiny world, a GSM8K JSONL folder, or the hub), and the rewards are
 rewards.py's correctness_reward and format_reward, whose signature is TRL's. TRL's defaults
 differ from the paper; here they are set to the paper's (and grpo.GRPOConfig's) where both have
 the knob:

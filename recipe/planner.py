@@ -247,7 +247,7 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
 
 def eval_memory(shape: ModelShape, s: StepSettings) -> int:
     """Bytes the held-out evaluation adds to the weights: greedy decoding of eval_batch_size
-    prompts at once (gsm8k.evaluate; `train_gsm8k.py eval` with --batch-size), through engine's
+    prompts at once (evaluation.evaluate; `train_gsm8k.py eval` with --batch-size), through engine's
     sampler. Its parts:
         KV cache      every row's keys and values for prompt + completion, one buffer
                       (engine.in_place_cache), in the compute dtype

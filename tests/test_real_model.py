@@ -88,10 +88,10 @@ def run_flags(path, data, out, *more):
 
 def eval_of(run_dir, data) -> float:
     """`train_gsm8k.py eval` of a run folder, on the run's own held-out problems and length."""
-    from recipe import gsm8k
-    return gsm8k.eval_command(["--model", str(run_dir), "--data", str(data), "--k", "1",
-                               "--max-new-tokens", "64", "--device", "cpu",
-                               "--json"])["greedy_accuracy"]
+    from recipe import evaluation
+    return evaluation.eval_command(["--model", str(run_dir), "--data", str(data), "--k", "1",
+                                    "--max-new-tokens", "64", "--device", "cpu",
+                                    "--json"])["greedy_accuracy"]
 
 
 @pytest.mark.slow
@@ -111,7 +111,7 @@ def test_the_real_model_through_every_path(tmp_path, capsys):
 
     import grpo
     import train_gsm8k
-    from recipe import gsm8k
+    from recipe import gsm8k, tasks
     path, data = smollm2_gguf(), write_data(tmp_path / "data")
     full = train_gsm8k.main(run_flags(path, data, tmp_path / "full"))
     assert full["train_config"]["preset"] == "real" and full["grpo_config"]["lr"] == 1e-6
@@ -133,7 +133,7 @@ def test_the_real_model_through_every_path(tmp_path, capsys):
     assert eval_of(tmp_path / "lora", data) == resumed["accuracy_after"] > 0
 
     model, tok = checkpoint.load_pretrained(str(tmp_path / "full" / "final"))
-    prompts = [gsm8k.make_prompt(tok, r["question"], gsm8k.GSM8K_SYSTEM_PROMPT)
+    prompts = [tasks.gsm8k_prompt(tok, r["question"], gsm8k.GSM8K_SYSTEM_PROMPT)
                for r in gsm8k.read_jsonl(data / "test.jsonl")]
     out = grpo.sample_completions(model, tok, prompts, grpo.GRPOConfig(max_new_tokens=64),
                                   greedy=True, group_size=1)
