@@ -7,7 +7,8 @@ benchmarks/learning_curves.py -- several runs' training curves in one figure, on
 Each run folder needs its metrics.jsonl and summary.json (what train_gsm8k.py writes). Four
 panels against the step: the sampled reward, the share of groups with no signal
 (frac_reward_zero_std), the mean completion length with the share cut off at the cap, and the
-KL to π_ref; the legend gives each run's held-out greedy accuracy before and after.
+KL to π_ref; the legend gives each run's held-out greedy score before and after (GSM8K's: its
+accuracy, in %; another task's: the mean of its first reward, named in the legend).
 """
 
 from __future__ import annotations
@@ -37,8 +38,14 @@ def main(argv=None):
                 p.error(f"{path} does not exist (did that run finish?)")
         s = json.loads(summary_path.read_text())
         rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
-        label = (f"seed {s['train_config']['seed']}: {100 * s['accuracy_before']:.1f}% → "
-                 f"{100 * s['accuracy_after']:.1f}%")
+        score = s.get("score", "correctness_reward")
+        if score == "correctness_reward":
+            label = (f"seed {s['train_config']['seed']}: {100 * s['accuracy_before']:.1f}% → "
+                     f"{100 * s['accuracy_after']:.1f}%")
+        else:
+            label = (f"seed {s['train_config']['seed']}: {s['accuracy_before']:.3f} → "
+                     f"{s['accuracy_after']:.3f}")
+            panels[0] = ("reward", "sampled reward")
         steps = [r["step"] for r in rows]
         for ax, (key, title) in zip(axes, panels):
             line, = ax.plot(steps, [r[key] for r in rows], "o-", ms=3, label=label)
@@ -49,7 +56,9 @@ def main(argv=None):
             ax.set_xlabel("step")
     axes[2].text(0.02, 0.02, "dotted: % cut off at the cap", transform=axes[2].transAxes,
                  fontsize=8)
-    axes[0].legend(fontsize=8, title="held-out greedy accuracy", title_fontsize=8)
+    held_out = ("held-out greedy accuracy" if score == "correctness_reward"
+                else f"held-out greedy {score}")
+    axes[0].legend(fontsize=8, title=held_out, title_fontsize=8)
     fig.tight_layout()
     fig.savefig(a.out, dpi=90)
     print(f"wrote {a.out}")

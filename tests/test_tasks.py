@@ -273,7 +273,7 @@ def your_task_command() -> list[str]:
 def test_your_task_runs_as_the_docs_say(tmp_path):
     """your_task/'s rows (written by its make_rows.py) and rewards, through the command
     docs/your_task.md shows, with a tiny chat model for SmolLM2 and 2 steps: the run scores with
-    concise_reward, logs both rewards, and its prompts went through the chat template."""
+    plural_reward, logs both rewards, and its prompts went through the chat template."""
     sys.path.insert(0, str(ROOT / "your_task"))
     import make_rows
     make_rows.main(["--out", str(tmp_path / "data")])
@@ -290,22 +290,24 @@ def test_your_task_runs_as_the_docs_say(tmp_path):
         argv[argv.index(flag) + 1] = str(value)
     argv = [a.replace("your_task/reward.py", str(ROOT / "your_task" / "reward.py")) for a in argv]
     summary = train_gsm8k.main(argv + ["--eval-size", "4", "--threads", "2", "--save-every", "0"])
-    assert summary["score"] == "concise_reward"
+    assert summary["score"] == "plural_reward"
     logged = set(metrics_of(tmp_path / "run")[0])
-    assert {"rewards/concise_reward", "rewards/exact_reward"} <= logged
+    assert {"rewards/plural_reward", "rewards/one_word_reward"} <= logged
     sample = json.loads((tmp_path / "run" / "samples.jsonl").read_text().splitlines()[0])
-    assert sample["prompt"].startswith("user: What is the ") and sample["prompt"].endswith(
-        "Answer with one word.\nassistant:")
+    assert sample["prompt"].startswith("user: What is the plural of ")
+    assert sample["prompt"].endswith("Answer with one word.\nassistant:")
 
 
-def test_concise_reward_by_hand():
-    """Target "Oslo": alone 1.0; with "Norway" 0.5; in a six-word sentence 1/32; wrong 0; the
-    exact reward counts only the word alone."""
+def test_plural_reward_by_hand():
+    """Target "wolves": alone or ending the first sentence 1.0; a wrong plural, a hedge, the
+    singular echoed or a sentence cut off 0.0; the one-word reward counts only the word alone."""
     sys.path.insert(0, str(ROOT / "your_task"))
     import reward
-    said = ["Oslo.", "Oslo, Norway", "The capital of Norway is Oslo.", "Bergen", ""]
-    assert reward.concise_reward(None, said, ["Oslo"] * 5) == [1.0, 0.5, 1 / 32, 0.0, 0.0]
-    assert reward.exact_reward(None, said, ["Oslo"] * 5) == [1.0, 0.0, 0.0, 0.0, 0.0]
+    said = ["Wolves.", "The plural of wolf is wolves.", "The plural of wolf is wolfs.",
+            "wolves or wolfs", 'The answer is "wolf".', "The plural of wolf is wolves, which is",
+            ""]
+    assert reward.plural_reward(None, said, ["wolves"] * 7) == [1, 1, 0, 0, 0, 0, 0]
+    assert reward.one_word_reward(None, said, ["wolves"] * 7) == [1, 0, 0, 0, 0, 0, 0]
 
 
 # --- low precision speaks up ------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """
-reward.py -- your task's rewards: the right word, said in as few words as the question asks.
+reward.py -- your task's rewards: is the answer the right plural, and is it one word?
 
-    python train_gsm8k.py --data your_task/data --reward your_task/reward.py:concise_reward ...
+    python train_gsm8k.py --data your_task/data --reward your_task/reward.py:plural_reward ...
 
 A reward function has TRL's signature, f(prompts, completions, **columns) -> list[float]: one float
 per completion. Every column of your rows other than "prompt" arrives by name, as a list lined up
@@ -14,29 +14,31 @@ default: 1 each).
 import re
 
 WORD = re.compile(r"[A-Za-z]+")
+SENTENCE_END = re.compile(r"[.!?\n]")
 
 
-def concise_reward(prompts, completions, target, **columns) -> list[float]:
-    """1 for the target word alone, halved for each word that comes with it; 0 without it.
+def answer_of(completion: str) -> str:
+    """The word a completion answers with: the last word of its first sentence, lower-cased
+    ("The plural of city is cities." -> "cities"; "Cities" -> "cities"; "" -> "")."""
+    words = WORD.findall(SENTENCE_END.split(completion.strip(), maxsplit=1)[0])
+    return words[-1].lower() if words else ""
 
-    WHY partial credit: a right answer in a sentence is still right, so it earns something, and
-    within a group the shorter of two right answers earns twice as much per word left out, which
-    is what GRPO's group-standardised advantage ranks by. An all-or-nothing "exactly one word"
-    reward would give this model nothing: it never answers in one word at first, so every group
-    would be all zeros, with zero advantage.
 
-    Example, target "Oslo": "Oslo." -> 1.0; "Oslo, Norway" -> 0.5;
-    "The capital of Norway is Oslo." -> 1/32; "Bergen" -> 0.0.
+def plural_reward(prompts, completions, target, **columns) -> list[float]:
+    """1.0 where the completion answers with the target plural, else 0.0.
+
+    WHY the last word of the first sentence: it is where an answer stands, alone or in a
+    sentence ("The plural of wolf is wolves."), so both earn 1; a hedge ("cities or citys"), the
+    singular echoed ('The answer is "lady".') or a sentence cut off by the token cap earns 0.
+
+    Example, target "wolves": "Wolves." -> 1.0; "The plural of wolf is wolves." -> 1.0;
+    "The plural of wolf is wolfs." -> 0.0; "wolves or wolfs" -> 0.0.
     """
-    scores = []
-    for completion, word in zip(completions, target):
-        words = [w.lower() for w in WORD.findall(completion)]
-        scores.append(0.5 ** (len(words) - 1) if word.lower() in words else 0.0)
-    return scores
+    return [1.0 if answer_of(c) == t.lower() else 0.0 for c, t in zip(completions, target)]
 
 
-def exact_reward(prompts, completions, target, **columns) -> list[float]:
-    """1.0 where the completion is the target and nothing else (case and punctuation aside):
-    the share answered exactly as asked, logged beside the partial credit (weight 0)."""
+def one_word_reward(prompts, completions, target, **columns) -> list[float]:
+    """1.0 where the completion is the target plural and nothing else (case and punctuation
+    aside): the share that answered as the question asked, logged beside the score (weight 0)."""
     return [1.0 if [w.lower() for w in WORD.findall(c)] == [t.lower()] else 0.0
             for c, t in zip(completions, target)]
