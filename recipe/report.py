@@ -265,6 +265,9 @@ def summarize(run_dirs: list[str]) -> str:
         return f"{fmt.format(statistics.mean(xs))} ± {fmt.format(sd)}"
 
     seeds = ", ".join(str(r["train_config"]["seed"]) for r in runs)
+    score = runs[0].get("score", GSM8K_SCORE)
+    what = "accuracy" if score == GSM8K_SCORE else f"score (mean {score})"
+    held_out = "problems" if score == GSM8K_SCORE else "rows"
     each = ", ".join(f"{100 * r['accuracy_gain']:+.1f}" for r in runs)
     command = (ms("command_seconds", 1 / 60) if all("command_seconds" in r for r in runs)
                else "not recorded")
@@ -272,10 +275,10 @@ def summarize(run_dirs: list[str]) -> str:
         f"| runs (seeds) | {len(runs)} ({seeds}) |",
         "|---|---|",
         f"| model | {runs[0]['model']} |",
-        f"| held-out problems | {runs[0]['eval_size']} |",
+        f"| held-out {held_out} | {runs[0]['eval_size']} |",
         f"| GRPO steps | {runs[0]['steps']} |",
-        f"| accuracy before GRPO (%) | {ms('accuracy_before', 100)} |",
-        f"| accuracy after GRPO (%) | {ms('accuracy_after', 100)} |",
+        f"| {what} before GRPO (%) | {ms('accuracy_before', 100)} |",
+        f"| {what} after GRPO (%) | {ms('accuracy_after', 100)} |",
         f"| change (points) | {ms('accuracy_gain', 100)} (each run: {each}) |",
         f"| GRPO wall time per run, evaluations included (min) | {ms('wall_seconds', 1 / 60)} |",
         f"| whole command per run, model load or warm-start build included (min) | {command} |",

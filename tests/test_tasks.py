@@ -20,7 +20,7 @@ import torch
 
 import grpo
 import train_gsm8k
-from recipe import evaluation, tasks, tiny_world
+from recipe import evaluation, report, tasks, tiny_world
 
 ROOT = Path(__file__).resolve().parent.parent
 LETTERS = string.ascii_lowercase
@@ -123,6 +123,9 @@ def test_a_new_task_with_plain_prompts_trains_reports_and_resumes_exactly(task_d
     assert len(m) == 3 and all("rewards/next_letter" in s for s in m)
     assert all(w.is_file() for w in [tmp_path / "whole" / "curves.png",
                                      tmp_path / "whole" / "final" / "config.json"])
+    assert "held-out greedy score (mean next_letter, 5 rows)" in (
+        tmp_path / "whole" / "results.md").read_text()
+    assert "| score (mean next_letter) before GRPO (%) |" in report.summarize([tmp_path / "whole"])
 
     train_gsm8k.main(flags(data, reward, model, tmp_path / "broken", steps=2))
     (tmp_path / "broken" / "summary.json").unlink()  # as if killed after step 2's checkpoint
