@@ -650,8 +650,8 @@ def make_optimizer(policy, cfg: GRPOConfig):
     tiny world's 0.5 M-parameter model wants 1e-4, see train_gsm8k.py's presets)."""
     params = [p for p in policy.parameters() if p.requires_grad]
     # NOTE: AdamW's step on a bf16 or fp16 weight is lost below the dtype's resolution. bf16 keeps
-    #       8 bits of mantissa, so a weight near 0.02 moves in steps of about 1e-4, and an update of
-    #       lr 1e-6 rounds to nothing, with no error. transformers loads a checkpoint in its own
+    #       8 significant bits, so a weight near 0.02 moves in steps of about 1e-4, and an update
+    #       of lr 1e-6 rounds to nothing, with no error. transformers loads a checkpoint in its own
     #       dtype (bf16 for Qwen2.5 and SmolLM2) unless given dtype=torch.float32.
     low = sorted({str(p.dtype) for p in params if p.dtype in (torch.bfloat16, torch.float16)})
     if low:
