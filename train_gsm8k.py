@@ -241,10 +241,14 @@ def parse_args(argv=None) -> list:
 # ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Run:
-    """What the loop works with once setup is done. Configs: (run, GRPO, PPO, engine, memory,
-    baseline), as parse_args returns them, with the task's rewards and system prompt filled in."""
+    """What the loop works with once setup is done. (PPO's, the engine's and the baselines'
+    configs are in the seams and the step function by then; all six are in `state`.)"""
 
-    configs: list
+    tcfg: TrainConfig
+    """The run's settings, with the task's system prompt filled in."""
+    gcfg: grpo.GRPOConfig
+    """GRPO's, with the task's reward weights filled in."""
+    mcfg: memory.MemoryConfig
     task: tasks.Task
     policy: object
     tokenizer: object
@@ -265,20 +269,19 @@ class Run:
 
     def evaluate(self, desc: str, rows: list[dict] | None = None) -> float:
         """The task's held-out score (evaluation.evaluate) of the policy now, on `rows` (all)."""
-        tcfg, gcfg = self.configs[0], self.configs[1]
         with self.autocast:
             return evaluation.evaluate(self.policy, self.tokenizer, self.task.score_func,
-                                       self.task.test if rows is None else rows, gcfg,
-                                       tcfg.system_prompt, tcfg.eval_batch_size, desc,
+                                       self.task.test if rows is None else rows, self.gcfg,
+                                       self.tcfg.system_prompt, self.tcfg.eval_batch_size, desc,
                                        self.seams.sample)
 
     def prompts_of(self, rows: list[dict]) -> tuple[list, dict]:
         """(prompt texts, columns) of `rows`, as grpo_step takes them."""
-        return tasks.prompts_and_columns(self.tokenizer, rows, self.configs[0].system_prompt)
+        return tasks.prompts_and_columns(self.tokenizer, rows, self.tcfg.system_prompt)
 
     def rows_of_step(self, step: int) -> list[dict]:
         """Step `step`'s B training rows (a run longer than the data cycles through it)."""
-        B, rows = self.configs[0].prompts_per_step, self.task.train
+        B, rows = self.tcfg.prompts_per_step, self.task.train
         return [rows[self.order[(i + (step - 1) * B) % len(self.order)]] for i in range(B)]
 
     def more_prompts(self, k: int) -> tuple[list, dict]:
@@ -387,8 +390,8 @@ def setup(configs: list) -> Run:
     #      with more --steps sees the same rows first. A file's rows are shuffled.
     order = (random.Random(tcfg.seed).sample(range(len(task.train)), len(task.train))
              if task.shuffle else list(range(len(task.train))))
-    return Run(configs, task, policy, tokenizer, ref, optimizer, state, out, log, seams, step_fn,
-               autocast, device, order)
+    return Run(tcfg, gcfg, mcfg, task, policy, tokenizer, ref, optimizer, state, out, log, seams,
+               step_fn, autocast, device, order)
 
 
 def train(run: Run):
@@ -396,7 +399,7 @@ def train(run: Run):
     a batch of rows, one step, its logs; an evaluation every --eval-every steps, a checkpoint
     every --save-every."""
     from tqdm.auto import tqdm
-    tcfg, gcfg, mcfg, state = run.configs[0], run.configs[1], run.configs[4], run.state
+    tcfg, gcfg, mcfg, state = run.tcfg, run.gcfg, run.mcfg, run.state
     run.t_start = time.perf_counter() - state["wall_seconds"]
     if not state["evals"]:
         state["evals"].append((0, run.evaluate("eval before")))
@@ -427,7 +430,7 @@ def finish(run: Run, t_command: float) -> dict:
     """The held-out score after, the model in final/, curves.png and summary.json; prints the
     results table and returns the summary."""
     import torch
-    tcfg, state = run.configs[0], run.state
+    tcfg, state = run.tcfg, run.state
     acc_before, acc_after = state["evals"][0][1], run.evaluate("eval after")
     wall = time.perf_counter() - run.t_start
     # NOTE: with LoRA, final/ holds the merged model (a plain one); checkpoints hold the adapters.

@@ -35,8 +35,6 @@ class Task:
     """What the loop needs to know of a task: its rows, its rewards and how to score held-out
     rows."""
 
-    name: str
-    """What --data said: 'tiny', 'openai/gsm8k' or a folder."""
     train: list[dict]
     """Training rows: {"prompt": str or chat messages, other columns...}."""
     test: list[dict]
@@ -189,7 +187,7 @@ def load_task(data: str, reward_specs: list[str], supervision: str = "outcome",
             raise InputError(f"--data {data}: its rows have no 'answer' column, which GSM8K's "
                              f"default reward reads: name yours with --reward FILE.py:NAME")
         funcs, weights, score = gsm8k_rewards(supervision, template)
-    return Task(data, train, test, list(funcs), weights, score, system_prompt,
+    return Task(train, test, list(funcs), weights, score, system_prompt,
                 shuffle=data != "tiny")
 
 
