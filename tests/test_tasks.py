@@ -277,6 +277,7 @@ def test_your_task_runs_as_the_docs_say(tmp_path):
     """your_task/'s rows (written by its make_rows.py) and rewards, through the command
     docs/your_task.md shows, with a tiny chat model for SmolLM2 and 2 steps: the run scores with
     plural_reward, logs both rewards, and its prompts went through the chat template."""
+    pytest.importorskip("peft", reason="the command trains LoRA adapters: pip install peft")
     sys.path.insert(0, str(ROOT / "your_task"))
     import make_rows
     make_rows.main(["--out", str(tmp_path / "data")])
