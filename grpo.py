@@ -24,10 +24,11 @@ How to run it
 
 What runs is what you read
     With Seams() (the default) grpo_step runs only the code below. Speed and memory machinery
-    (a faster sampler, each prompt scored once, log-probs in chunks, AdamW inside backward) and the
-    methods GRPO is compared with (RLOO, REINFORCE, CISPO) are handed in from outside through the
-    five named seams of Seams, the way nanoGPT's train.py makes its plain model.py fast with one
-    line, torch.compile(model). Each replacement is tested against the code here.
+    (a faster sampler, each prompt scored once, log-probs in chunks, AdamW inside backward) is
+    handed in from outside through the three seams of Seams, the way nanoGPT's train.py makes its
+    plain model.py fast with one line, torch.compile(model); each is tested to give this file's
+    numbers. The methods GRPO is compared with (PPO, RLOO, REINFORCE, CISPO) live in compare/,
+    built from this file's public functions: nothing here knows them.
 
 What it leaves out, on purpose
     - the critic (that is the point of GRPO: the group mean is the baseline);
@@ -40,51 +41,41 @@ Tensor dimensions used in shape comments
     N  = B*G sequences           P  prompt tokens (left-padded)
     T  completion tokens         V  vocabulary size
 
-Algorithm 1 of the paper (Iterative GRPO), line by line, and where each line lives here
-    policy π_θ ← π_init                                the model you pass in
-    for iteration = 1..I:                              NOT HERE: this outer loop exists to retrain
-        π_ref ← π_θ                                    the reward model; one π_ref (make_reference)
-        for step = 1..M:                               the caller's loop (train_gsm8k.py)
-            sample a batch of questions D_b             the caller's prompts
-            π_old ← π_θ                                 implicit: π_old is π_θ before this step's
-                                                        update, so its log-probs come first
-            sample G outputs o_i ~ π_old(·|q) per q     1. sample_completions
-            rewards r_i from the reward model           2. compute_rewards (rule-based)
-            Â_i,t by group relative estimation          3. group_advantages / process_advantages
-            for GRPO iteration = 1..μ:                  8. policy_update
-                update π_θ by maximising J_GRPO         4-7. token_logprobs, grpo_loss
-        (retrain the reward model from a replay buffer) NOT HERE: the rewards are rules
-    grpo_step is one pass of the inner "for step" body.
+Algorithm 1 of the paper (Iterative GRPO), line by line, and the step below that does each line
+    policy π_θ ← π_init                          the model you pass in
+    for iteration = 1..I:                        NOT HERE: this outer loop exists to retrain the
+        π_ref ← π_θ                              reward model; one π_ref (Setup: make_reference)
+        for step = 1..M:                         the caller's loop (train_gsm8k.py); one pass of
+                                                 its body is 9. grpo_step
+            sample a batch of questions D_b       the caller's prompts
+            π_old ← π_θ                           implicit: π_old is π_θ before this step's update
+            sample G outputs o_i ~ π_old(·|q)     1. sample_completions
+            rewards r_i from the reward model     2. compute_rewards (rules, not a learned model)
+            Â_i,t by group relative estimation    3. group_advantages (outcome, §4.1.2);
+                                                     process_advantages (process, §4.1.3)
+            for GRPO iteration = 1..μ:            8. policy_update, one AdamW step each:
+                update π_θ by maximising J_GRPO      4. token_logprobs scores π_θ, 5-7. grpo_loss
+                                                     (ratio and clip, k3 KL, averaging)
+        (retrain the reward model from a replay buffer)  NOT HERE: the rewards are rules
+    Before the loop: 0. GRPOConfig and Seams; Setup: make_reference, disable_dropout,
+    make_optimizer. After the core: Variants (dynamic sampling from DAPO, GSPO's sequence ratio,
+    truncated importance sampling, process supervision's plumbing), each one call from the core.
 
 Comment tags, so you can grep for them
     PAPER:      what the paper says (an equation, a setting), above the line that computes it
     WHY:        our reasoning, where the paper leaves a choice open
     DEVIATION:  where we differ from the paper, and why; every variant is opt-in and off by default
-    NOTE:       a known confusion, answered at the line: why the loss prints ~0 at μ = 1 while the
-                gradient is not 0; why logp_old is logp.detach() at μ = 1; per-sequence vs
-                per-token averaging; which KL estimator, in which direction; which std, and where
-                ε goes; what a group of equal rewards does
-
-The steps below, in order
-    0. GRPOConfig, Seams     every knob, with the paper's defaults; the five seams
-    1. sample_completions    G completions per prompt from π_old (π_θ before this step's update)
-    2. compute_rewards       weighted rule-based reward functions, TRL's signature
-    3. group_advantages      A_i = (r_i - mean) / (std + eps) within each group (outcome)
-       process_advantages    Â_i,t from normalised step rewards (process)
-    4. token_logprobs        log π(o_it) via gather + logsumexp, for π_θ, π_old and π_ref
-    5-7. grpo_loss           ratio and clip (5), k3 KL (6), aggregation over tokens (7)
-    8. policy_update         μ optimizer steps: zero_grad, backward, gradient clip, AdamW
-    9. grpo_step             1-8 in order, then step_metrics
-    Variants                 dynamic sampling (DAPO), GSPO's sequence ratio, truncated
-                             importance sampling, process supervision's plumbing: each is one
-                             call from the core above
+    NOTE:       a known confusion, answered once, at the line where it bites. Where to find
+                the common ones: the loss prints ~0 at μ = 1 while the gradient is not
+                (grpo_loss); logp_old is logp.detach() at μ = 1 (micro_batch_loss); per-sequence
+                vs per-token averaging (aggregate); which KL estimator, in which direction
+                (k3_kl); which std, where ε goes, a group of equal rewards (group_advantages)
 Variants since the paper are opt-in switches in GRPOConfig that cite their paper; each line that
 differs from the paper is tagged DEVIATION.
 """
 
 from __future__ import annotations
 
-import bisect
 import copy
 import functools
 import inspect
@@ -163,35 +154,36 @@ class GRPOConfig:
 
     def __post_init__(self):
         """Settings that cannot work fail here, at construction, with one line naming the field."""
-        def fail(name, rule):
-            raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
-
         # NOTE: each Literal field (loss_type, supervision, ...) takes only its values.
         for name, hint in get_type_hints(GRPOConfig).items():
-            if get_origin(hint) is Literal and getattr(self, name) not in get_args(hint):
-                fail(name, f"one of {get_args(hint)}")
-        if self.group_size < 2:
-            fail("group_size", "at least 2 (a group baseline needs 2)")
+            if get_origin(hint) is Literal:
+                allowed = get_args(hint)
+                self.require(name, getattr(self, name) in allowed, f"one of {allowed}")
+        self.require("group_size", self.group_size >= 2, "at least 2 (a group baseline needs 2)")
         # NOTE: no batch size has to divide another: the last micro-batch may be smaller, and
         #       policy_update weights it so the summed gradient equals the full batch's (tested).
         for name, low in [("num_iterations", 1), ("max_new_tokens", 1), ("micro_batch_size", 1),
                           ("beta", 0), ("adv_eps", 0), ("weight_decay", 0),
                           ("dynamic_sampling", 0), ("sampler_is_cap", 0)]:
-            if getattr(self, name) < low:
-                fail(name, f">= {low}")
+            self.require(name, getattr(self, name) >= low, f">= {low}")
         for name in ("clip_eps", "clip_eps_high", "temperature", "lr", "max_grad_norm"):
-            if getattr(self, name) is not None and not getattr(self, name) > 0:
-                fail(name, "> 0")
-        if self.reward_weights is not None and not all(map(math.isfinite, self.reward_weights)):
-            fail("reward_weights", "finite numbers")
+            value = getattr(self, name)
+            self.require(name, value is None or value > 0, "> 0")
+        weights = self.reward_weights
+        self.require("reward_weights", weights is None or all(map(math.isfinite, weights)),
+                     "finite numbers")
+
+    def require(self, name: str, holds: bool, rule: str):
+        """Raise ValueError naming the field, its rule and its value, unless the rule holds."""
+        if not holds:
+            raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
 
 
 # WHY: nanoGPT's model.py is plain PyTorch, and train.py makes it fast from outside. Here the
-#      outside hands grpo_step a Seams: each field None runs this file's own code; a function put
-#      there runs instead, taking the same arguments and returning the same kind of result. Five
-#      seams, no branch per trick. sample, score and update are for speed and memory (engine.py,
-#      memory.py): tested to give this file's numbers. advantages and surrogate are for the
-#      methods GRPO is compared with (baselines.py): they change the math, on purpose.
+#      outside hands grpo_step a Seams: each field None runs this file's own code; a function (or,
+#      for update, an object) put there runs instead, taking the same arguments and returning the
+#      same kind of result. Three seams, no branch per trick, and each only for speed or memory
+#      (machinery/engine.py, machinery/memory.py): tested to give this file's numbers.
 @dataclass
 class Seams:
     """The parts of a step that code outside grpo.py may replace. None: this file's own."""
@@ -202,14 +194,62 @@ class Seams:
     score: Callable | None = None
     """token_logprobs' arguments and results: (model, prompt_ids, prompt_mask, completion_ids,
     completion_mask, temperature, with_entropy) -> logp (n, T) [, entropy]. None: token_logprobs."""
-    advantages: Callable | None = None
-    """(rewards (N,), G) -> outcome advantages (N,). None: group_advantages, the paper's."""
-    surrogate: Callable | None = None
-    """(ratio, logp, A, clip_eps, clip_eps_high) -> the per-token objective (N, T), maximised.
-    None: clipped_surrogate, eq. 3's."""
-    update: Callable | None = None
-    """(policy, optimizer, weighted micro-batch losses, max_grad_norm) -> (gradient norm, whether
-    the weights moved). None: clipped_step."""
+    update: object | None = None
+    """What ClippedStep does, in its two calls: backward(loss) for each micro-batch's weighted
+    loss, then step(policy, optimizer, max_grad_norm, loss) -> (gradient norm, whether the
+    weights moved). None: ClippedStep()."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Setup: the reference, the policy without dropout, and the optimizer, once before training
+# ----------------------------------------------------------------------------------------------
+# PAPER: Algorithm 1 starts from π_θ ← π_init and π_ref ← π_θ, and updates π_θ with AdamW (§4.2).
+def make_reference(policy):
+    """A frozen copy of the policy: π_ref. PAPER: the reference is the initial (SFT) model.
+    NOTE: it costs one more copy of the weights, but no gradients and no optimizer state; β = 0
+          needs no reference at all."""
+    ref = copy.deepcopy(policy).eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+def disable_dropout(model):
+    """Set every dropout probability in `model` to 0, in place.
+
+    WHY: with dropout on, π_θ in the ratio is a different random function from the π_old that
+    sampled, so the ratio is not 1 at μ = 1 and the KL is noisy. TRL does the same. (Llama and
+    Qwen configs already use 0; GPT-2 uses 0.1.) We zero it rather than call .eval(), because
+    gradient checkpointing in transformers only runs in train mode.
+    """
+    # NOTE: some attention layers keep their dropout as a float attribute (Llama's and Qwen's
+    #       attention_dropout), not as an nn.Dropout module; both are zeroed.
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = 0.0
+    return model
+
+
+def make_optimizer(policy, cfg: GRPOConfig):
+    """AdamW over the trainable parameters. PAPER: AdamW (§4.2, lr 1e-6 for the 7B model; the
+    tiny world's 0.5 M-parameter model wants 1e-4, see train_gsm8k.py's presets)."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    # NOTE: AdamW's step on a bf16 or fp16 weight is lost below the dtype's resolution. bf16 keeps
+    #       8 significant bits, so a weight near 0.02 moves in steps of about 1e-4, and an update
+    #       of lr 1e-6 rounds to nothing, with no error. transformers loads a checkpoint in its own
+    #       dtype (bf16 for Qwen2.5 and SmolLM2) unless given dtype=torch.float32.
+    low = sorted({str(p.dtype) for p in params if p.dtype in (torch.bfloat16, torch.float16)})
+    if low:
+        warnings.warn(f"make_optimizer: trainable weights in {', '.join(low)}: AdamW's updates "
+                      f"below that dtype's resolution are rounded away, so lr {cfg.lr:g} may "
+                      f"move nothing; load the model with dtype=torch.float32 (and compute in "
+                      f"bf16 with torch.autocast)", stacklevel=2)
+    # WHY (memory, speed): the fused kernel updates each tensor in one pass: no model-sized
+    #      temporaries (AdamW's foreach default makes them on a GPU; TRL fuses too), and on a CPU
+    #      about twice as fast as the default plain loop (docs/speed.md).
+    fused = all(p.device.type in ("cuda", "cpu") for p in params)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -525,8 +565,8 @@ def logprobs_of(logits, completion_ids, temperature: float, with_entropy: bool):
 # PAPER: eq. 3 is PPO's clipped surrogate with two changes: A is the group advantage, and the KL
 #        to π_ref is a term of the loss instead of a per-token penalty inside the reward.
 # NOTE: r_it(θ) in this section is the probability RATIO π_θ/π_old, not a reward; A holds rewards.
-def clipped_surrogate(ratio, logp, A, clip_eps: float, clip_eps_high: float):
-    """Eq. 3's per-token objective: ratio, logp (N, T), A (N, 1) or (N, T) -> (N, T).
+def clipped_surrogate(ratio, A, clip_eps: float, clip_eps_high: float):
+    """Eq. 3's per-token objective: ratio (N, T), A (N, 1) or (N, T) -> (N, T).
 
     Example (test_clip_binds_above_with_positive_advantage): ratio 1.3, ε = 0.2, A = +1 gives
     min(1.3, 1.2) = 1.2, and no gradient through the ratio: the update has gone far enough.
@@ -538,12 +578,9 @@ def clipped_surrogate(ratio, logp, A, clip_eps: float, clip_eps_high: float):
 
 def grpo_loss(logp, logp_old, logp_ref, advantages, completion_mask, *, clip_eps=0.2,
               clip_eps_high=None, beta=0.04, loss_type="grpo", max_completion_length=None,
-              importance_sampling_level="token", surrogate=None):
+              importance_sampling_level="token"):
     """loss = -J(θ) for one batch, and its stats (kl, clip_ratio/low, /high, /region). logp,
-    logp_old, logp_ref, completion_mask: (N, T); advantages (N,) (outcome) or (N, T) (process).
-    surrogate replaces clipped_surrogate (Seams.surrogate)."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    logp_old, logp_ref, completion_mask: (N, T); advantages (N,) (outcome) or (N, T) (process)."""
     if beta != 0 and logp_ref is None:
         raise ValueError("logp_ref is required when beta != 0")
     clip_eps_high = clip_eps if clip_eps_high is None else clip_eps_high
@@ -553,34 +590,24 @@ def grpo_loss(logp, logp_old, logp_ref, advantages, completion_mask, *, clip_eps
     A = advantages.to(logp.dtype).reshape(logp.shape[0], -1)                     # (N, 1) or (N, T)
 
     # 5. PAPER: r_it(θ) = π_θ(o_it|q,o_i<t) / π_old(o_it|q,o_i<t), as exp of a log difference
-    # NOTE: with μ = 1, logp_old is logp.detach(): the ratio is exactly 1 in value, yet its
-    #       gradient is ∇ratio = ratio·∇logp = ∇logp. So the printed loss is ~0 (advantages are
-    #       zero-mean in each group) while the gradient is REINFORCE's with the group baseline.
-    #       Nothing is broken.
+    # NOTE: why the printed loss is ~0 at μ = 1 while the gradient is not. There logp_old is
+    #       logp.detach() (micro_batch_loss), so the ratio is exactly 1 in value, yet its
+    #       gradient is ∇ratio = ratio·∇logp = ∇logp. The loss is then about -mean(A) = 0
+    #       (advantages are zero-mean in each group), while the gradient is REINFORCE's with the
+    #       group baseline. Nothing is broken.
     log_ratio = logp - logp_old                                                       # (N, T)
     if importance_sampling_level == "sequence":
         log_ratio = sequence_log_ratio(log_ratio, mask)  # DEVIATION (opt-in, GSPO): see Variants
     ratio = torch.exp(log_ratio)                                                      # (N, T)
-    surrogate = (surrogate or clipped_surrogate)(ratio, logp, A, clip_eps, clip_eps_high)  # (N, T)
+    surrogate = clipped_surrogate(ratio, A, clip_eps, clip_eps_high)                  # (N, T)
 
     # 6. The KL penalty (k3_kl), weighted by β; β = 0 needs no π_ref at all.
     kl = k3_kl(logp, logp_ref) if beta != 0 else torch.zeros_like(logp)              # (N, T)
     # PAPER: the per-token term of eq. 3, negated: we minimise -J
     per_token = -(surrogate - beta * kl)                                              # (N, T)
 
-    # 7. NOTE: per-sequence vs per-token averaging. 'grpo' gives every completion equal weight, so
-    #       a token of a long completion weighs less than one of a short completion (a length bias,
-    #       see Dr. GRPO); 'token' weighs all tokens alike. They differ when lengths differ.
-    if loss_type == "grpo":
-        # PAPER: 1/G Σ_i 1/|o_i| Σ_t                                                  (eq. 3)
-        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
-    elif loss_type == "token":
-        # DEVIATION (opt-in, DAPO arXiv 2503.14476): Σ_i Σ_t / Σ_i |o_i|
-        loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
-    else:
-        # DEVIATION (opt-in, Dr. GRPO arXiv 2503.20783): Σ_i Σ_t / (N · L_max), no length bias
-        L = max_completion_length if max_completion_length is not None else mask.shape[1]
-        loss = (per_token * mask).sum() / (mask.shape[0] * L)
+    # 7. Average over tokens and completions (aggregate).
+    loss = aggregate(per_token, mask, loss_type, max_completion_length)               # ()
     return loss, loss_stats(ratio, A, kl, mask, clip_eps, clip_eps_high)
 
 
@@ -596,6 +623,29 @@ def k3_kl(logp, logp_ref):
     log_ref_ratio = logp_ref - logp                                                   # (N, T)
     # PAPER: D_KL[π_θ||π_ref] = π_ref/π_θ - log(π_ref/π_θ) - 1        (eq. 4, Schulman's k3)
     return torch.exp(log_ref_ratio) - log_ref_ratio - 1                               # (N, T)
+
+
+def aggregate(per_token, mask, loss_type: str = "grpo", max_completion_length=None):
+    """Step 7: the batch's loss from per-token losses, per_token and mask (N, T) -> ().
+
+    Example (test_loss_types_on_lengths_1_and_3): a per-token loss of -1 on a completion of 1
+    token and +1 on each of another's 3 give 'grpo' (-1/1 + 3/3) / 2 = 0, 'token' (-1 + 3) / 4 =
+    0.5 and 'dr_grpo', with L_max = 4, (-1 + 3) / (2 · 4) = 0.25.
+    """
+    # NOTE: per-sequence vs per-token averaging. 'grpo' gives every completion equal weight, so a
+    #       token of a long completion weighs less than one of a short completion (a length bias,
+    #       see Dr. GRPO); 'token' weighs all tokens alike. They differ when lengths differ.
+    if loss_type == "grpo":
+        # PAPER: 1/G Σ_i 1/|o_i| Σ_t                                                  (eq. 3)
+        return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+    if loss_type == "token":
+        # DEVIATION (opt-in, DAPO arXiv 2503.14476): Σ_i Σ_t / Σ_i |o_i|
+        return (per_token * mask).sum() / mask.sum().clamp(min=1)
+    if loss_type == "dr_grpo":
+        # DEVIATION (opt-in, Dr. GRPO arXiv 2503.20783): Σ_i Σ_t / (N · L_max), no length bias
+        L = max_completion_length if max_completion_length is not None else mask.shape[1]
+        return (per_token * mask).sum() / (mask.shape[0] * L)
+    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
 
 
 @torch.no_grad()
@@ -618,52 +668,42 @@ def loss_stats(ratio, A, kl, mask, clip_eps: float, clip_eps_high: float) -> dic
 # PAPER: Algorithm 1, "for GRPO iteration = 1..μ: update π_θ by maximising the GRPO objective".
 #        With μ = 1 (the paper's setting) every batch is used for exactly one AdamW step.
 # WHY: micro-batches bound memory; their weighted gradients add up to the full batch's exactly.
-def make_reference(policy):
-    """A frozen copy of the policy: π_ref. PAPER: the reference is the initial (SFT) model.
-    NOTE: it costs one more copy of the weights, but no gradients and no optimizer state; β = 0
-          needs no reference at all."""
-    ref = copy.deepcopy(policy).eval()
-    ref.requires_grad_(False)
-    return ref
-
-
-def disable_dropout(model):
-    """Set every dropout probability in `model` to 0, in place.
-
-    WHY: with dropout on, π_θ in the ratio is a different random function from the π_old that
-    sampled, so the ratio is not 1 at μ = 1 and the KL is noisy. TRL does the same. (Llama and
-    Qwen configs already use 0; GPT-2 uses 0.1.) We zero it rather than call .eval(), because
-    gradient checkpointing in transformers only runs in train mode.
+def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOConfig,
+                  seams: Seams = Seams()) -> dict:
+    """Algorithm 1's inner loop, as CleanRL's PPO writes it: for each of μ updates, for each
+    micro-batch, score its tokens under π_θ (4), take its loss (5-7) and backward it; then clip
+    the gradient and take one AdamW step. logp_old is None at μ = 1 (fixed_logprobs).
+    Returns the loss, KL, clip and entropy stats, the gradient norm, how many updates were skipped
+    (a loss or gradient that is not finite) and sampler_agreement's sampling/* stats.
     """
-    # NOTE: some attention layers keep their dropout as a float attribute (Llama's and Qwen's
-    #       attention_dropout), not as an nn.Dropout module; both are zeroed.
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-        if isinstance(getattr(m, "attention_dropout", None), float):
-            m.attention_dropout = 0.0
-    return model
-
-
-def make_optimizer(policy, cfg: GRPOConfig):
-    """AdamW over the trainable parameters. PAPER: AdamW (§4.2, lr 1e-6 for the 7B model; the
-    tiny world's 0.5 M-parameter model wants 1e-4, see train_gsm8k.py's presets)."""
-    params = [p for p in policy.parameters() if p.requires_grad]
-    # NOTE: AdamW's step on a bf16 or fp16 weight is lost below the dtype's resolution. bf16 keeps
-    #       8 significant bits, so a weight near 0.02 moves in steps of about 1e-4, and an update
-    #       of lr 1e-6 rounds to nothing, with no error. transformers loads a checkpoint in its own
-    #       dtype (bf16 for Qwen2.5 and SmolLM2) unless given dtype=torch.float32.
-    low = sorted({str(p.dtype) for p in params if p.dtype in (torch.bfloat16, torch.float16)})
-    if low:
-        warnings.warn(f"make_optimizer: trainable weights in {', '.join(low)}: AdamW's updates "
-                      f"below that dtype's resolution are rounded away, so lr {cfg.lr:g} may "
-                      f"move nothing; load the model with dtype=torch.float32 (and compute in "
-                      f"bf16 with torch.autocast)", stacklevel=2)
-    # WHY (memory, speed): the fused kernel updates each tensor in one pass: no model-sized
-    #      temporaries (AdamW's foreach default makes them on a GPU; TRL fuses too), and on a CPU
-    #      about twice as fast as the default plain loop (docs/speed.md).
-    fused = all(p.device.type in ("cuda", "cpu") for p in params)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused)
+    mask, mu = batch["completion_mask"], cfg.num_iterations                           # (N, T)
+    score, update = seams.score or token_logprobs, seams.update or ClippedStep()
+    weights, shares = micro_batch_weights(mask, cfg.micro_batch_size, cfg.loss_type)
+    stats, skipped = {"loss": 0.0}, 0
+    first_logp, first_entropy = [], []  # the first update's, for sampler_agreement
+    for it in range(mu):
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0  # this update's loss, to skip it if it is not finite
+        for k, (s, inputs) in enumerate(micro_batches(batch, cfg.micro_batch_size)):
+            # 4. log π_θ of the micro-batch's tokens, with gradients (the entropy is only logged)
+            logp, entropy = score(policy, *inputs, cfg.temperature, True)             # (n, T) x2
+            # 5-7. its loss: ratio and clip, KL, averaging
+            loss, parts = micro_batch_loss(logp, batch, s, logp_old, logp_ref, cfg)    # ()
+            # its share of the batch's loss: backward adds its gradient to the others'
+            update.backward(loss * weights[k])                                        # ()
+            loss_sum += loss.item() * weights[k]
+            stats["loss"] += loss.item() * weights[k] / mu
+            for key, v in parts.items():  # kl, clip_ratio/*: means over tokens, so weighed so
+                stats[key] = stats.get(key, 0.0) + v * shares[k] / mu
+            if it == 0:
+                first_logp.append(logp.detach())
+                first_entropy.append(entropy)
+        # 8. clip the summed gradient, then one AdamW step
+        grad_norm, stepped = update.step(policy, optimizer, cfg.max_grad_norm, loss_sum)
+        skipped += not stepped
+    agreement = sampler_agreement(torch.cat(first_logp), torch.cat(first_entropy),  # (N, T) x2
+                                  batch["sampler_logp"], mask)
+    return {**stats, **agreement, "grad_norm": grad_norm, "skipped_updates": skipped}
 
 
 def micro_batches(batch: dict, size: int):
@@ -677,75 +717,66 @@ def micro_batches(batch: dict, size: int):
                   batch["completion_ids"][s], batch["completion_mask"][s])        # (n, T), (n, T)
 
 
-def clipped_step(policy, optimizer, losses, max_grad_norm: float) -> tuple[float, bool]:
-    """One update: zero_grad -> backward each micro-batch's weighted loss -> clip -> AdamW step.
-    Returns (the gradient norm before clipping, whether the weights moved)."""
-    optimizer.zero_grad(set_to_none=True)
-    total = 0.0
-    for loss in losses:  # NOTE: a generator: each micro-batch's graph is built, then freed here
-        loss.backward()
-        total += loss.item()
-    # WHY: clip the norm of the summed gradient, as one whole batch would.
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm).item()
-    # WHY: one non-finite gradient would poison every weight through Adam's moments; skip the
-    #      update, leave weights and optimizer state untouched (policy_update counts it).
-    stepped = math.isfinite(grad_norm) and math.isfinite(total)
-    if stepped:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)  # WHY (memory): no gradient kept between steps
-    return grad_norm, stepped
+def micro_batch_weights(mask, size: int, loss_type: str) -> tuple[list[float], list[float]]:
+    """For each micro-batch of `size` rows of mask (N, T): (the weight of its mean loss, its share
+    of the batch's real tokens).
 
-
-def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOConfig,
-                  seams: Seams = Seams()) -> dict:
-    """Algorithm 1's inner loop: μ optimizer steps on this batch, each over every micro-batch:
-    score the tokens under π_θ (4), build the loss (5-7), hand each micro-batch's weighted share to
-    clipped_step (zero_grad, backward, clip, AdamW). logp_old is None when μ = 1 (π_old = π_θ).
-    Returns loss, KL, clip, entropy and gradient stats, and how far the sampler's log-probs are from
-    the first update's (sampling/*). An update whose loss or gradient is not finite is skipped.
-    NOTE: at μ = 1 the logged loss is ~0 while the gradient is not (grpo_loss, step 5).
+    WHY: the weighted sum of the micro-batches' losses is then the whole batch's loss, and so is
+    its gradient. 'grpo' and 'dr_grpo' average over sequences, so a micro-batch of n rows weighs
+    n / N; 'token' averages over tokens, so it weighs its share of the tokens. The token shares
+    also weigh the logged KL and clip ratios, which are means over tokens.
+    Example: rows of 1 and 3 tokens in micro-batches of 1: weights [0.5, 0.5] ('grpo') or
+    [0.25, 0.75] ('token'); shares [0.25, 0.75].
     """
-    mask, mu = batch["completion_mask"], cfg.num_iterations                           # (N, T)
-    slices = [s for s, _ in micro_batches(batch, cfg.micro_batch_size)]
-    # WHY: each micro-batch's mean loss is weighted so that the weighted sum is the full batch's
-    #      loss (and so its gradient): 'grpo' and 'dr_grpo' average over sequences, so a micro-batch
-    #      weighs n_mb / N; 'token' averages over tokens, so it weighs its share of the tokens.
-    tok_share = [mask[s].sum().item() / max(1, mask.sum().item()) for s in slices]
-    weights = (tok_share if cfg.loss_type == "token"
-               else [(s.stop - s.start) / mask.shape[0] for s in slices])
-    stats, first = {"loss": 0.0}, []  # NOTE: first: the first update's (logp, entropy) pieces
+    N, n_tok = mask.shape[0], max(1, mask.sum().item())
+    weights, shares = [], []
+    for i in range(0, N, size):
+        rows = mask[i:i + size]                                                       # (n, T)
+        shares.append(rows.sum().item() / n_tok)
+        weights.append(shares[-1] if loss_type == "token" else rows.shape[0] / N)
+    return weights, shares
 
-    def weighted_losses(it):
-        for (s, inputs), w, share in zip(micro_batches(batch, cfg.micro_batch_size), weights,
-                                         tok_share):
-            logp, entropy = (seams.score or token_logprobs)(policy, *inputs, cfg.temperature,
-                                                            True)                     # (n, T) x2
-            # NOTE: with μ = 1 no π_old pass was run: π_old = π_θ, so logp_old = logp.detach().
-            old = logp.detach() if logp_old is None else logp_old[s]                  # (n, T)
-            A = batch["advantages"][s]                                            # (n,) or (n, T)
-            if cfg.sampler_is_cap:  # DEVIATION (opt-in, TIS): see sampler_weighted, Variants
-                A = sampler_weighted(A, old, batch["sampler_logp"][s], cfg.sampler_is_cap)
-            loss, parts = grpo_loss(
-                logp, old, None if logp_ref is None else logp_ref[s], A,
-                mask[s], clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, beta=cfg.beta,
-                loss_type=cfg.loss_type, max_completion_length=cfg.max_new_tokens,
-                importance_sampling_level=cfg.importance_sampling_level,
-                surrogate=seams.surrogate)
-            stats["loss"] += loss.item() * w / mu
-            for k, v in parts.items():  # NOTE: kl and clip_ratio/*, token-weighted over the batch
-                stats[k] = stats.get(k, 0.0) + v * share / mu
-            if it == 0:
-                first.append((logp.detach(), entropy))
-            yield loss * w
 
-    skipped = 0
-    for it in range(mu):
-        grad_norm, stepped = (seams.update or clipped_step)(policy, optimizer,
-                                                            weighted_losses(it), cfg.max_grad_norm)
-        skipped += not stepped
-    logp, entropy = (torch.cat(x) for x in zip(*first))                               # (N, T) x2
-    return {**stats, **sampler_agreement(logp, entropy, batch["sampler_logp"], mask),
-            "grad_norm": grad_norm, "skipped_updates": skipped}
+def micro_batch_loss(logp, batch: dict, s: slice, logp_old, logp_ref, cfg: GRPOConfig):
+    """Steps 5-7 for the micro-batch of rows s, whose log-probs under π_θ are logp (n, T):
+    grpo_loss with its π_old, π_ref and advantages. Returns (loss, grpo_loss's stats)."""
+    # NOTE: why logp_old is logp.detach() at μ = 1. No π_old pass ran (fixed_logprobs): π_old is
+    #       π_θ before this update, and this is that very update, so π_θ's own log-probs are
+    #       π_old's. Detached, they are constants, as π_old's must be: the gradient flows only
+    #       through logp. (At μ > 1, π_θ has moved after the first update: π_old's were kept.)
+    old = logp.detach() if logp_old is None else logp_old[s]                          # (n, T)
+    ref = None if logp_ref is None else logp_ref[s]                                   # (n, T)
+    A = batch["advantages"][s]                                                  # (n,) or (n, T)
+    if cfg.sampler_is_cap:  # DEVIATION (opt-in, TIS): see sampler_weighted, Variants
+        A = sampler_weighted(A, old, batch["sampler_logp"][s], cfg.sampler_is_cap)   # (n, T)
+    return grpo_loss(logp, old, ref, A, batch["completion_mask"][s], clip_eps=cfg.clip_eps,
+                     clip_eps_high=cfg.clip_eps_high, beta=cfg.beta, loss_type=cfg.loss_type,
+                     max_completion_length=cfg.max_new_tokens,
+                     importance_sampling_level=cfg.importance_sampling_level)
+
+
+class ClippedStep:
+    """The plain update, in the two calls DeepSpeed's engine and Accelerate make familiar:
+    backward(loss) for each micro-batch, whose gradients add up, then step(), which clips the
+    summed gradient and takes AdamW's step. Seams.update may put another object with these two
+    calls in its place (memory.StepInsideBackward)."""
+
+    def backward(self, loss):
+        """Add this micro-batch's gradient to the others'; its graph is freed here."""
+        loss.backward()
+
+    def step(self, policy, optimizer, max_grad_norm: float, loss: float) -> tuple[float, bool]:
+        """Clip the summed gradient, then AdamW's step, unless `loss` (this update's) or the
+        gradient is not finite. Returns (the gradient norm before clipping, whether it stepped)."""
+        # WHY: clip the norm of the summed gradient, as one whole batch would.
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm).item()
+        # WHY: one non-finite gradient would poison every weight through Adam's moments; skip the
+        #      update, leave weights and optimizer state untouched (policy_update counts it).
+        stepped = math.isfinite(grad_norm) and math.isfinite(loss)
+        if stepped:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)  # WHY (memory): no gradient kept between steps
+        return grad_norm, stepped
 
 
 @torch.no_grad()
@@ -787,26 +818,30 @@ def rollout(policy, tokenizer, prompts: list[str], columns: dict | None,
     batch["rewards"], batch["reward_means"] = compute_rewards(
         reward_funcs, batch["prompts"], batch["completions"], batch["columns"], cfg.reward_weights)
     # 3. Advantages: one per completion, shared by all its tokens (outcome supervision, §4.1.2).
-    A = (seams.advantages(batch["rewards"], G) if seams.advantages                    # (N,)
-         else group_advantages(batch["rewards"], G, cfg.scale_rewards, cfg.adv_eps))
+    A = group_advantages(batch["rewards"], G, cfg.scale_rewards, cfg.adv_eps)         # (N,)
     batch["advantages"] = A.to(batch["completion_ids"].device)                        # (N,)
     return batch
 
 
 @torch.no_grad()
 def fixed_logprobs(policy, ref_model, batch: dict, cfg: GRPOConfig, seams: Seams = Seams()):
-    """Step 4's log-probs that stay fixed during the update: log π_old (only for μ > 1) and
-    log π_ref (only for β != 0); each (N, T) or None.
+    """Step 4's log-probs that stay fixed during the update: log π_old (only for μ > 1; at μ = 1
+    see micro_batch_loss) and log π_ref (only for β != 0); each (N, T) or None.
     NOTE: π_old must be scored before the first update moves π_θ: after it, π_θ is no longer the
           policy that sampled."""
-    def over_batch(model):
-        return torch.cat([(seams.score or token_logprobs)(model, *inputs, cfg.temperature)  # (n, T)
-                          for _, inputs in micro_batches(batch, cfg.micro_batch_size)])  # (N, T)
-
-    # NOTE: with μ = 1 this pass is skipped: π_old = π_θ, and policy_update uses logp.detach().
-    logp_old = over_batch(policy) if cfg.num_iterations > 1 else None
-    logp_ref = over_batch(ref_model) if cfg.beta != 0 else None
+    score = seams.score or token_logprobs
+    logp_old = batch_logprobs(policy, batch, cfg, score) if cfg.num_iterations > 1 else None
+    logp_ref = batch_logprobs(ref_model, batch, cfg, score) if cfg.beta != 0 else None
     return logp_old, logp_ref
+
+
+def batch_logprobs(model, batch: dict, cfg: GRPOConfig, score: Callable) -> torch.Tensor:
+    """log π of every completion token of the batch under `model`, one micro-batch at a time:
+    (N, T). score: token_logprobs, or the Seams.score that replaces it."""
+    parts = []
+    for _, inputs in micro_batches(batch, cfg.micro_batch_size):
+        parts.append(score(model, *inputs, cfg.temperature))                          # (n, T)
+    return torch.cat(parts)                                                           # (N, T)
 
 
 def grpo_step(policy, ref_model, optimizer, tokenizer, prompts: list[str],
@@ -917,7 +952,7 @@ def sampler_weighted(A, logp_old, sampler_logp, cap: float) -> torch.Tensor:
     DEVIATION (opt-in; Yao et al. 2025, TRL's vllm_importance_sampling_correction): TRL weighs
     the surrogate, w·min(r·A, clip(r)·A). w is positive, so that is min(r·wA, clip(r)·wA): the
     same, by weighing A. The KL term is not weighted, as in TRL.
-    NOTE: at μ = 1, π_old is the trainer's logp.detach(), so w only undoes how the sampler's
+    NOTE: at μ = 1, π_old is π_θ itself (micro_batch_loss), so w only undoes how the sampler's
           log-probs differ from the trainer's: in fp32 w = 1 to ~1e-6, the plain update (tested).
     """
     # w_it = min( exp(log π_old - log π_sampler), C ),  Â_it = w_it · A_i
@@ -958,16 +993,32 @@ def step_token_index(tokenizer, completion_ids, lengths, step_ends: list[list[in
     to the completion's last token (its EOS, if it has one), so the final step credits stopping."""
     out = []
     for ids, n, ends in zip(completion_ids.tolist(), lengths.tolist(), step_ends):
-        # WHY decode prefixes, not single tokens: a SentencePiece token decoded alone loses its
-        #     leading space, and a byte-level token holding part of a character decodes to
-        #     "\ufffd". A prefix decodes as the whole text does.
-        def chars_through(k, ids=ids):  # length of the text that tokens 0..k decode to
-            return len(tokenizer.decode(ids[:k + 1], skip_special_tokens=True))
-        text_len = chars_through(n - 1) if n else 0
-        # The first token whose prefix holds character e-1 (the step's last): a binary search.
-        out.append([n - 1 if e >= text_len else bisect.bisect_left(range(n), e, key=chars_through)
+        ids = ids[:n]
+        text_len = decoded_length(tokenizer, ids, n)
+        out.append([n - 1 if e >= text_len else first_token_through(tokenizer, ids, e)
                     for e in ends])
     return out
+
+
+def decoded_length(tokenizer, ids: list[int], k: int) -> int:
+    """How many characters the first k tokens of ids decode to.
+    WHY decode prefixes, not single tokens: a SentencePiece token decoded alone loses its leading
+    space, and a byte-level token holding part of a character decodes to "\ufffd". A prefix
+    decodes as the whole text does."""
+    return len(tokenizer.decode(ids[:k], skip_special_tokens=True))
+
+
+def first_token_through(tokenizer, ids: list[int], end: int) -> int:
+    """The first token k whose prefix ids[:k+1] decodes to at least `end` characters, so holds
+    character end-1: a binary search over k, as bisect.bisect_left would do it."""
+    low, high = 0, len(ids)
+    while low < high:
+        mid = (low + high) // 2
+        if decoded_length(tokenizer, ids, mid + 1) < end:
+            low = mid + 1
+        else:
+            high = mid
+    return low
 
 
 def dynamic_sampling(batch: dict, B: int, more_prompts, policy, tokenizer,
@@ -980,42 +1031,59 @@ def dynamic_sampling(batch: dict, B: int, more_prompts, policy, tokenizer,
     NOTE: the price is sampling: on the tiny world DAPO drew about 3x the completions of GRPO.
     """
     G, sampled = cfg.group_size, [batch]
-
-    def with_signal(b):  # the groups with any non-zero advantage
-        return [g for g in range(len(b["prompts"]) // G)
-                if b["advantages"][g * G:(g + 1) * G].abs().sum() > 0]
-
-    parts = [(batch, with_signal(batch))]                  # (rollout, its groups to keep)
+    parts = [(batch, groups_with_signal(batch, G))]  # (a rollout, the groups of it to keep)
     for _ in range(cfg.dynamic_sampling):
         missing = B - sum(len(groups) for _, groups in parts)
         if missing <= 0 or more_prompts is None:
             break
         extra = rollout(policy, tokenizer, *more_prompts(missing), reward_funcs, cfg, seams)
         sampled.append(extra)
-        parts.append((extra, with_signal(extra)[:missing]))
+        parts.append((extra, groups_with_signal(extra, G)[:missing]))
     if not any(groups for _, groups in parts):
         # WHY: if every group agreed, train on the first draw as plain GRPO would (A = 0).
         return batch, sampled
     return merge_groups(parts, G, pad_token_id(policy, tokenizer)), sampled
 
 
+def groups_with_signal(batch: dict, G: int) -> list[int]:
+    """The indices of the batch's groups with any non-zero advantage."""
+    keep = []
+    for g in range(len(batch["prompts"]) // G):
+        if batch["advantages"][g * G:(g + 1) * G].abs().sum() > 0:
+            keep.append(g)
+    return keep
+
+
 def merge_groups(parts: list[tuple[dict, list[int]]], G: int, pad_id: int) -> dict:
-    """The chosen groups (each G consecutive rows) of several rollouts, as one rollout. WHY: each
-    rollout was padded to its own longest prompt and completion; the merged one is re-padded to
-    the longest of all, prompts on the left and completions on the right, so the masks stay exact.
-    """
-    rows = [(b, [g * G + i for g in groups for i in range(G)]) for b, groups in parts]
-    out = {k: [b[k][r] for b, rs in rows for r in rs] for k in ("prompts", "completions")}
-    out["columns"] = {k: [b["columns"][k][r] for b, rs in rows for r in rs]
-                      for k in parts[0][0]["columns"]}
-    # (key, pad on the left?, pad value); 1-D tensors (outcome advantages, rewards) need none
-    for k, left, value in [("prompt_ids", True, pad_id), ("prompt_mask", True, 0),
-                           ("completion_ids", False, pad_id), ("completion_mask", False, 0),
-                           ("advantages", False, 0.0), ("sampler_logp", False, 0.0),
-                           ("rewards", False, 0), ("truncated", False, 0)]:
-        xs = [b[k][torch.tensor(rs, dtype=torch.long, device=b[k].device)] for b, rs in rows]
-        width = max(x.shape[-1] for x in xs)
-        out[k] = torch.cat([x if x.dim() == 1 else torch.nn.functional.pad(     # (n_all, ...)
-            x, (width - x.shape[1], 0) if left else (0, width - x.shape[1]), value=value)
-            for x in xs])
+    """The chosen groups (each G consecutive rows) of several rollouts, as one rollout.
+    WHY: each rollout was padded to its own longest prompt and completion; the merged one is
+    re-padded to the longest of all, so the masks stay exact."""
+    rows = []  # for each rollout, the rows of its chosen groups
+    for _, groups in parts:
+        rows.append([g * G + i for g in groups for i in range(G)])
+    out = {"prompts": [], "completions": [], "columns": {k: [] for k in parts[0][0]["columns"]}}
+    for (b, _), rs in zip(parts, rows):
+        out["prompts"] += [b["prompts"][r] for r in rs]
+        out["completions"] += [b["completions"][r] for r in rs]
+        for k in out["columns"]:
+            out["columns"][k] += [b["columns"][k][r] for r in rs]
+    # Each tensor: (key, pad on the left?, pad value). Prompts are padded on the left, as
+    # sample_completions pads them, completions on the right.
+    padding = [("prompt_ids", True, pad_id), ("prompt_mask", True, 0),
+               ("completion_ids", False, pad_id), ("completion_mask", False, 0),
+               ("advantages", False, 0.0), ("sampler_logp", False, 0.0),
+               ("rewards", False, 0), ("truncated", False, 0)]
+    for key, left, value in padding:
+        pieces = [b[key][torch.tensor(rs, dtype=torch.long, device=b[key].device)]  # (n_j, ...)
+                  for (b, _), rs in zip(parts, rows)]
+        width = max(x.shape[-1] for x in pieces)
+        out[key] = torch.cat([padded(x, width, left, value) for x in pieces])        # (n_all, ...)
     return out
+
+
+def padded(x: torch.Tensor, width: int, left: bool, value) -> torch.Tensor:
+    """x (n, w) padded with `value` to (n, width), on the left or the right; 1-D x as it is."""
+    if x.dim() == 1:
+        return x                                                                      # (n,)
+    pad = (width - x.shape[1], 0) if left else (0, width - x.shape[1])
+    return torch.nn.functional.pad(x, pad, value=value)                               # (n, width)

@@ -21,8 +21,8 @@ model, the machinery) -> the loop -> finishing. It measures the held-out score (
 mean over greedy completions: GSM8K's accuracy), runs --steps GRPO steps, measures again, and writes
 summary.json, metrics.jsonl (every metric, every step), curves.png, samples.jsonl, final/ (the
 model) and checkpoint-<step>/ to --out. Speed and memory machinery (engine.py, memory.py, lora.py)
-and the methods GRPO is compared with (baselines.py, ppo.py) are applied to grpo.py in one place,
-applied_from_outside; --plain runs grpo.py's own code alone.
+is applied to grpo.py, and the step of a method GRPO is compared with (compare/) chosen, in one
+place, applied_from_outside; --plain runs grpo.py's own code alone.
 """
 
 from __future__ import annotations
@@ -260,7 +260,8 @@ class Run:
     log: report.RunLog
     seams: grpo.Seams
     step_fn: object
-    """grpo.grpo_step, or PPO's step with its critic (ppo.Critic): the same signature."""
+    """grpo.grpo_step, or a compared method's step (baselines.step_function): the same
+    signature."""
     autocast: object
     device: str
     order: list[int]
@@ -336,9 +337,9 @@ def policy_and_reference(tcfg: TrainConfig, gcfg: grpo.GRPOConfig, device: str, 
 def applied_from_outside(policy, ref, tokenizer, configs: list) -> tuple:
     """(seams, step function): the speed and memory machinery, each a switch of its own config,
     applied to grpo.py in this one place (nanoGPT's torch.compile line); --plain: none of them,
-    grpo.py's own code alone. Then the method: GRPO, or one it is compared with through the same
-    seams (baselines.py); PPO (--baseline critic) swaps in its step, which trains a value model
-    beside the policy."""
+    grpo.py's own code alone. Then the method's step: grpo.grpo_step, or one built in compare/
+    from grpo.py's pieces (baselines.step_function: RLOO, REINFORCE, CISPO, and PPO, whose step
+    trains a value model beside the policy)."""
     tcfg, gcfg, pcfg, ecfg, mcfg, bcfg = configs
     seams = grpo.Seams()
     policy.train()
@@ -350,8 +351,8 @@ def applied_from_outside(policy, ref, tokenizer, configs: list) -> tuple:
         seams = memory.apply(mcfg, seams)             # chunked log-probs, AdamW inside backward
         if mcfg.return_freed_memory:
             memory.return_freed_memory()  # NOTE: process-wide, and only when asked for
-    seams = baselines.apply(bcfg, seams)
-    step_fn = ppo.Critic(policy, gcfg, pcfg) if bcfg.baseline == "critic" else grpo.grpo_step
+    # The method: grpo.grpo_step, or the step of one it is compared with (compare/)
+    step_fn = baselines.step_function(bcfg, policy, gcfg, pcfg)
     if not tcfg.plain:
         engine.compile_layers(ecfg, mcfg.update_in_backward, policy, ref)  # compiled decoding
     return seams, step_fn

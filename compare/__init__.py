@@ -1,8 +1,8 @@
 """
 compare/ -- the methods GRPO is compared with, and the runs that compare them.
 
-    baselines.py   RLOO's and REINFORCE's advantages, CISPO's surrogate: each plugs into one of
-                   grpo.Seams (BaselineConfig)
+    baselines.py   RLOO's and REINFORCE's advantages, CISPO's surrogate, each method's step built
+                   from grpo.py's functions (BaselineConfig, step_function)
     ppo.py         PPO with a learned critic: the step GRPO replaces (ppo.Critic)
     ablation.py    the published variants and these baselines side by side, over seeds
     train_trl.py   the same data and rewards through TRL's GRPOTrainer, on many GPUs (zero3.yaml)

@@ -81,7 +81,7 @@ def apply(cfg: MemoryConfig, seams: grpo.Seams) -> grpo.Seams:
     (lean_activations, engine.enable_activation_checkpointing) or around the step (offloaded)."""
     if cfg.logprob_chunk:
         seams = replace(seams, score=chunked_scorer(cfg.logprob_chunk))
-    return replace(seams, update=step_inside_backward) if cfg.update_in_backward else seams
+    return replace(seams, update=StepInsideBackward()) if cfg.update_in_backward else seams
 
 
 def chunked_scorer(chunk: int):
@@ -96,17 +96,29 @@ def chunked_scorer(chunk: int):
     return score
 
 
-def step_inside_backward(policy, optimizer, losses, max_grad_norm: float) -> tuple[float, bool]:
-    """grpo.clipped_step's contract, with AdamW stepped inside backward (step_in_backward): one
-    micro-batch's loss, the same update. Returns (gradient norm, whether the weights moved)."""
-    losses = iter(losses)
-    loss = next(losses)
-    if next(losses, None) is not None:
-        raise ValueError("update_in_backward needs the whole batch in one micro-batch: raise "
-                         "micro_batch_size to the completions per step")
-    optimizer.zero_grad(set_to_none=True)
-    grad_norm = step_in_backward(policy.parameters(), optimizer, loss, max_grad_norm)
-    return grad_norm, math.isfinite(grad_norm) and math.isfinite(loss.item())
+class StepInsideBackward:
+    """grpo.ClippedStep's two calls, with AdamW stepped inside backward (step_in_backward): the
+    same update from one micro-batch's loss. backward(loss) keeps the loss, graph and all; step()
+    runs step_in_backward on it. Returns (gradient norm, whether the weights moved)."""
+
+    def __init__(self):
+        self.loss = None
+
+    def backward(self, loss):
+        """Keep this update's loss for step(). A second micro-batch is refused before anything
+        moves: the step needs the whole update's gradient in one backward."""
+        if self.loss is not None:
+            self.loss = None
+            raise ValueError("update_in_backward needs the whole batch in one micro-batch: raise "
+                             "micro_batch_size to the completions per step")
+        self.loss = loss
+
+    def step(self, policy, optimizer, max_grad_norm: float, loss: float) -> tuple[float, bool]:
+        """Backward the kept loss, stepping AdamW on each weight as its gradient is ready."""
+        kept, self.loss = self.loss, None
+        optimizer.zero_grad(set_to_none=True)
+        grad_norm = step_in_backward(policy.parameters(), optimizer, kept, max_grad_norm)
+        return grad_norm, math.isfinite(grad_norm) and math.isfinite(loss)
 
 
 def backbone_and_head(model):
@@ -403,7 +415,7 @@ def step_in_backward(params, optimizer, loss, max_grad_norm: float) -> float:
     It saves memory, not time: the second backward costs what the first did (docs/memory.md).
 
     NOTE: the step needs the whole update's gradient in one backward: one micro-batch
-          (step_inside_backward refuses more).
+          (StepInsideBackward refuses more).
     WHY it works: a parameter's gradient is accumulated only after every use of it has been
           differentiated, so changing it in place then leaves the rest of backward untouched.
     """

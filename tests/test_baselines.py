@@ -1,14 +1,17 @@
 """The teaching baselines (baselines.py): RLOO's leave-one-out advantage, REINFORCE's reward as
 advantage, and CISPO's clipped, detached importance weight, each pinned by hand-worked numbers,
-against a slow loop, and inside grpo_loss and a whole grpo_step.
+against a slow loop, inside CISPO's loss and a whole step built from grpo.py's pieces; and
+cispo_update, which mirrors grpo.policy_update, checked equal to it bit for bit.
 
 Needs: torch (tiny_world and transformers for the step). CPU, offline, ~5 s.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
-from compare import baselines
+from compare import baselines, ppo
 import grpo
 from recipe import tiny_world
 
@@ -65,16 +68,63 @@ def test_cispo_at_mu_1_has_grpo_token_level_gradient():
     mask = torch.ones(4, 5)
     mask[1, 3:] = 0
     A = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    cfg = grpo.GRPOConfig(beta=0.0, loss_type="token")
     grads, losses = [], []
-    for surrogate in (None, baselines.cispo_surrogate):
+    for cispo in (False, True):
         logp = base.clone().requires_grad_(True)
-        loss, _ = grpo.grpo_loss(logp, logp.detach(), None, A, mask, beta=0.0, loss_type="token",
-                                 surrogate=surrogate)
+        if cispo:
+            loss, _ = baselines.cispo_loss(logp, logp.detach(), None, A, mask, cfg)
+        else:
+            loss, _ = grpo.grpo_loss(logp, logp.detach(), None, A, mask, beta=0.0,
+                                     loss_type="token")
         loss.backward()
         grads.append(logp.grad)
         losses.append(loss.item())
     assert torch.allclose(grads[0], grads[1]) and grads[0].abs().sum() > 0
     assert abs(losses[0] - losses[1]) > 0.1
+
+
+def eq3_in_place_of_cispo(ratio, logp, A, clip_eps, clip_eps_high):
+    """grpo.py's own clipped surrogate, with cispo_surrogate's arguments."""
+    return grpo.clipped_surrogate(ratio, A, clip_eps, clip_eps_high)
+
+
+@pytest.mark.parametrize("kw", [dict(num_iterations=2, micro_batch_size=3, beta=0.04),
+                                dict(num_iterations=1, micro_batch_size=16, beta=0.0,
+                                     sampler_is_cap=2.0, loss_type="token")],
+                         ids=["mu2-micro-batches-kl", "mu1-tis-token"])
+def test_cispo_update_with_eq3_put_back_is_policy_update_bit_for_bit(monkeypatch, kw):
+    """cispo_update repeats grpo.policy_update's loop with CISPO's loss. With eq. 3's surrogate
+    put back in cispo_surrogate's place, the two must give the same stats and the same weights,
+    bit for bit, over μ updates, micro-batches, KL, TIS: the loop is the same loop. (With
+    CISPO's own surrogate the loss differs, and at μ = 2 the weights, so the comparison can
+    tell.)"""
+    tok = tiny_world.char_tokenizer()
+    cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=8, lr=1e-2, **kw)
+    start = tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0)
+    torch.manual_seed(0)
+    batch = grpo.rollout(start, tok, ["Q1", "Q22"], None,
+                         [lambda completions, **k: [float(len(c) % 3) for c in completions]], cfg)
+    batch["completion_mask"][::3, 4:] = 0  # completions of unequal length: weights != shares
+    assert batch["advantages"].abs().sum() > 0
+    weights, shares = grpo.micro_batch_weights(batch["completion_mask"], 3, "grpo")
+    assert weights != shares
+    ref = grpo.make_reference(start)
+
+    def update(fn):
+        policy = grpo.make_reference(start).requires_grad_(True)
+        old, ref_logp = grpo.fixed_logprobs(policy, ref, batch, cfg)
+        stats = fn(policy, grpo.make_optimizer(policy, cfg), batch, old, ref_logp, cfg)
+        return stats, [p.detach() for p in policy.parameters()]
+
+    cispo_stats, cispo_weights = update(baselines.cispo_update)
+    monkeypatch.setattr(baselines, "cispo_surrogate", eq3_in_place_of_cispo)
+    (mine, w_mine), (page, w_page) = update(baselines.cispo_update), update(grpo.policy_update)
+    assert mine == page
+    assert all(torch.equal(a, b) for a, b in zip(w_mine, w_page))
+    assert cispo_stats["loss"] != page["loss"]  # CISPO's own loss holds log π itself
+    if cfg.num_iterations > 1:  # from the second update on, its gradient differs too
+        assert not all(torch.equal(a, b) for a, b in zip(cispo_weights, w_page))
 
 
 def test_config_checks_the_baseline():
@@ -84,17 +134,30 @@ def test_config_checks_the_baseline():
         baselines.BaselineConfig(surrogate="ppo")
 
 
-def test_grpo_is_the_pages_own_seams_and_each_method_takes_its_seam():
-    """GRPO's choices leave grpo.Seams() as it is (the page's own code runs); RLOO and REINFORCE
-    set the advantage seam, CISPO the surrogate seam; PPO's critic changes no seam (ppo.Critic
-    replaces the whole step)."""
-    assert baselines.apply(baselines.BaselineConfig(), grpo.Seams()) == grpo.Seams()
-    assert baselines.apply(baselines.BaselineConfig(baseline="critic"), grpo.Seams()) == \
-        grpo.Seams()
-    rloo = baselines.apply(baselines.BaselineConfig(baseline="leave_one_out"), grpo.Seams())
-    assert rloo.advantages is baselines.leave_one_out_advantages and rloo.surrogate is None
-    cispo = baselines.apply(baselines.BaselineConfig(surrogate="cispo"), grpo.Seams())
-    assert cispo.surrogate is baselines.cispo_surrogate and cispo.advantages is None
+def test_step_function_gives_grpo_step_itself_and_each_method_its_step():
+    """GRPO's choices give grpo.grpo_step itself (the page's own step); PPO's critic its
+    ppo.Critic; RLOO, REINFORCE and CISPO a ComparedStep. grpo.Seams has only the three speed
+    and memory seams: the methods need none."""
+    tok = tiny_world.char_tokenizer()
+    policy = tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0)
+    cfg = grpo.GRPOConfig()
+    assert baselines.step_function(baselines.BaselineConfig(), policy, cfg) is grpo.grpo_step
+    critic = baselines.step_function(baselines.BaselineConfig(baseline="critic"), policy, cfg)
+    assert isinstance(critic, ppo.Critic)
+    for setting in (dict(baseline="leave_one_out"), dict(baseline="none"),
+                    dict(surrogate="cispo")):
+        step = baselines.step_function(baselines.BaselineConfig(**setting), policy, cfg)
+        assert isinstance(step, baselines.ComparedStep)
+    assert [f.name for f in dataclasses.fields(grpo.Seams)] == ["sample", "score", "update"]
+
+
+def test_a_replaced_baseline_refuses_process_supervision():
+    tok = tiny_world.char_tokenizer()
+    policy = tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0)
+    cfg = grpo.GRPOConfig(group_size=2, max_new_tokens=4, supervision="process")
+    step = baselines.ComparedStep(baselines.BaselineConfig(baseline="leave_one_out"))
+    with pytest.raises(ValueError, match="process supervision sets its own advantages"):
+        step(policy, None, None, tok, ["Q1"], [], dataclasses.replace(cfg, beta=0.0))
 
 
 @pytest.mark.parametrize("setting", [dict(baseline="leave_one_out"), dict(baseline="none"),
@@ -107,12 +170,12 @@ def test_a_grpo_step_runs_with_each(setting):
     cispo = setting.get("surrogate") == "cispo"
     cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=8, lr=1e-2,
                           **(dict(loss_type="token", num_iterations=2) if cispo else {}))
-    seams = baselines.apply(baselines.BaselineConfig(**setting), grpo.Seams())
+    step = baselines.step_function(baselines.BaselineConfig(**setting), policy, cfg)
     torch.manual_seed(0)
-    m = grpo.grpo_step(policy, grpo.make_reference(policy), grpo.make_optimizer(policy, cfg), tok,
-                       ["Q1", "Q22"], [lambda completions, **kw: [float("a" in c) + len(c) % 3
-                                                                  for c in completions]],
-                       cfg, return_samples=True, seams=seams)
+    m = step(policy, grpo.make_reference(policy), grpo.make_optimizer(policy, cfg), tok,
+             ["Q1", "Q22"], [lambda completions, **kw: [float("a" in c) + len(c) % 3
+                                                        for c in completions]],
+             cfg, return_samples=True)
     assert all(v == v for v in m.values() if isinstance(v, float))   # no NaN
     rewards = torch.tensor([s["reward"] for s in m["samples"]])
     A = torch.tensor([s["advantage"] for s in m["samples"]])

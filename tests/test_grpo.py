@@ -332,6 +332,18 @@ def test_micro_batches_give_the_same_update(loss_type):
     assert m_full["kl"] == pytest.approx(m_micro["kl"], abs=1e-7)
 
 
+def test_micro_batch_weights_hand_worked():
+    """Rows of 1 and 3 real tokens, micro-batches of 1 row: 'grpo' weighs each row's mean loss
+    1/2 (a mean over sequences), 'token' by its share of the 4 tokens, 1/4 and 3/4; the token
+    shares, which weigh the logged KL and clip ratios, are 1/4 and 3/4 either way. In one
+    micro-batch of 2 the weight is 1."""
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 0]])
+    assert grpo.micro_batch_weights(mask, 1, "grpo") == ([0.5, 0.5], [0.25, 0.75])
+    assert grpo.micro_batch_weights(mask, 1, "token") == ([0.25, 0.75], [0.25, 0.75])
+    assert grpo.micro_batch_weights(mask, 1, "dr_grpo") == ([0.5, 0.5], [0.25, 0.75])
+    assert grpo.micro_batch_weights(mask, 2, "grpo") == ([1.0], [1.0])
+
+
 def test_step_moves_weights_and_reports_every_metric():
     tok = tiny_world.char_tokenizer()
     cfg = grpo.GRPOConfig(group_size=8, max_new_tokens=10, lr=1e-2)
@@ -430,7 +442,7 @@ def test_non_finite_logits_in_the_training_pass_skip_the_update():
     ("loss_type", "sum", "loss_type must be one of"),
     ("temperature", 0.0, "temperature must be > 0"),
     ("max_new_tokens", 0, "max_new_tokens must be >= 1"),
-    ("loss_type", "cispo", "loss_type must be one of"),   # CISPO is a seam: baselines.py
+    ("loss_type", "cispo", "loss_type must be one of"),   # CISPO: compare/baselines.py
     ("lr", -1e-6, "lr must be > 0"),
     ("max_grad_norm", 0.0, "max_grad_norm must be > 0"),
     ("micro_batch_size", 0, "micro_batch_size must be >= 1"),

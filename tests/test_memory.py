@@ -362,8 +362,9 @@ def test_step_in_backward_never_sets_the_process_wide_glibc_setting(monkeypatch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     memory.step_in_backward(model.parameters(), opt,
                             grpo.token_logprobs(model, *inputs(b), 1.0, False).sum(), 1.0)
-    memory.step_inside_backward(model, opt, iter([grpo.token_logprobs(model, *inputs(b)).sum()]),
-                                1.0)
+    update = memory.StepInsideBackward()
+    update.backward(grpo.token_logprobs(model, *inputs(b)).sum())
+    update.step(model, opt, 1.0, 0.0)
     assert calls == []
 
 
@@ -384,9 +385,13 @@ def test_update_in_backward_with_more_than_one_micro_batch_is_refused():
     tok = tiny_world.char_tokenizer()
     policy = model_for("llama", tok)
     cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=4, micro_batch_size=5, beta=0.0)
+    before = [p.detach().clone() for p in policy.parameters()]
+    opt = grpo.make_optimizer(policy, cfg)
     with pytest.raises(ValueError, match=r"in one micro-batch: raise micro_batch_size"):
-        grpo.grpo_step(policy, None, grpo.make_optimizer(policy, cfg), tok, PROMPTS,
+        grpo.grpo_step(policy, None, opt, tok, PROMPTS,
                        [length_reward], cfg, seams=seams_of(update_in_backward=True))
+    # refused before anything moved: the weights and AdamW's state are as they were
+    assert all(torch.equal(b, p) for b, p in zip(before, policy.parameters())) and not opt.state
 
 
 def test_return_freed_memory_makes_glibc_give_freed_blocks_back():
