@@ -233,6 +233,12 @@ def parse_args(argv=None) -> list:
                        or dataclasses.replace(ecfg, compile="auto") != engine.EngineConfig()):
         raise InputError("--plain runs grpo.py's own code alone: drop the speed and memory "
                          "switches")
+    # WHY here, before the data is read: the mistakes a user makes first are named first.
+    if tcfg.model:
+        checkpoint.local_model_path(tcfg.model)  # a --model path that does not exist
+    if tcfg.out and not tcfg.resume and (found := checkpoint.run_in(Path(tcfg.out))):
+        raise InputError(f"--out {tcfg.out} already holds a run ({found}): continue it with "
+                         f"--resume {tcfg.out}, or name a new folder")
     return configs
 
 

@@ -178,19 +178,46 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("GRPO_TINY_CACHE", root / ".cache"))
 
 
+def run_in(out: Path) -> str | None:
+    """The first file or folder a run writes that `out` holds (metrics.jsonl, summary.json,
+    final/, a checkpoint), or None. WHY: a new run in a folder that holds one would mix the two
+    runs' logs; train_gsm8k.py refuses it, pointing to --resume."""
+    if not out.is_dir():
+        return None
+    for name in ("metrics.jsonl", "summary.json", "final"):
+        if (out / name).exists():
+            return name
+    checkpoints = sorted(out.glob("checkpoint-*"))
+    return checkpoints[0].name + "/" if checkpoints else None
+
+
+def local_model_path(name: str) -> Path | None:
+    """The folder or .gguf file on disk that --model names, or None for a hub id. One that does
+    not exist raises InputError naming it: a cheap check, made before the data is read, so that a
+    mistyped path is the first thing a run reports.
+    A hub id is "name" or "org/name"; anything on disk, starting like a path, or with more
+    slashes is a local folder."""
+    local = Path(name).expanduser()
+    if name.endswith(".gguf"):
+        if not local.is_file():
+            raise InputError(f"model file {local} does not exist")
+        return local
+    if local.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        if not local.is_dir():
+            raise InputError(f"model directory {name} does not exist")
+        return local
+    return None
+
+
 def load_pretrained(name: str, shown_as: str = ""):
     """(model, tokenizer) from a hub id, a local directory or a local .gguf file, in fp32 on the
     CPU. A missing directory or file, a failed load or non-finite weights raise InputError naming
     `shown_as` (default: `name`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    shown_as, local = shown_as or name, Path(name).expanduser()
+    shown_as, local = shown_as or name, local_model_path(name)
     if name.endswith(".gguf"):
         return load_gguf(local, shown_as)
-    # A hub id is "name" or "org/name"; anything on disk, starting like a path, or with more slashes
-    # is a local directory.
-    if local.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
-        if not local.is_dir():
-            raise InputError(f"model directory {name} does not exist")
+    if local is not None:
         name = str(local)
     elif name in OFFLINE_COPIES and (copy := offline_copy(name)):
         print(f"model: {name} from {copy.name} (pip package {OFFLINE_COPIES[name][0]}), offline")

@@ -79,34 +79,71 @@ def eval_parser():
         "Greedy score, Pass@K (best of K samples) and, for GSM8K's answer check, Maj@K (majority "
         "vote of K) on held-out rows, scored as training scores them (the task's first reward)."))
     p.add_argument("--model", required=True,
-                   help="a hub id, a model folder, a run's --out folder (its final/), or a "
-                        "LoRA checkpoint folder (merged onto its base)")
-    p.add_argument("--data", default="openai/gsm8k",
-                   help="'openai/gsm8k' (default: its test split), a folder with test.jsonl "
-                        "(GSM8K's rows, or rows with a 'prompt'), or 'tiny' (with --limit)")
-    p.add_argument("--reward", action="extend", nargs="+", default=[], metavar="FILE.py:NAME",
-                   help="the task's rewards, as in training; the first is the score "
+                   help="a hub id, a model folder, a run's --out folder or its final/ (then "
+                        "every flag below marked RUN defaults to the run's own setting, so the "
+                        "greedy score is the run's accuracy_after), or a LoRA checkpoint folder "
+                        "(merged onto its base)")
+    p.add_argument("--data", default=None,
+                   help="RUN. 'openai/gsm8k' (default: its test split), a folder with "
+                        "test.jsonl (GSM8K's rows, or rows with a 'prompt'), or 'tiny' (with "
+                        "--limit)")
+    p.add_argument("--reward", action="extend", nargs="+", default=None, metavar="FILE.py:NAME",
+                   help="RUN. The task's rewards, as in training; the first is the score "
                         "(default: GSM8K's answer check)")
     p.add_argument("--k", type=int, default=8, help="samples per problem for Maj@K, Pass@K (8)")
-    p.add_argument("--limit", type=int, default=0, help="the first N problems (0, default: all)")
-    p.add_argument("--max-new-tokens", type=int, default=512, help="completion cap (512)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="RUN (its --eval-size). The first N problems (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="RUN. Completion cap (default 512)")
     p.add_argument("--temperature", type=float, default=1.0, help="for the K samples (1.0)")
-    p.add_argument("--batch-size", type=int, default=32,
-                   help="sequences decoded at once (32): memory grows with it, see `plan`")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="RUN (its --eval-batch-size). Sequences decoded at once (default 32): "
+                        "memory grows with it, see `plan`")
     p.add_argument("--system-prompt", default=None,
-                   help="system message for chat models (default: the task's; GSM8K's asks for "
-                        "a '####' line)")
-    p.add_argument("--template", choices=gsm8k.TEMPLATES, default="plain",
-                   help="the prompt the model was trained with (plain, default, or r1)")
+                   help="RUN. System message for chat models (default: the task's; GSM8K's asks "
+                        "for a '####' line)")
+    p.add_argument("--template", choices=gsm8k.TEMPLATES, default=None,
+                   help="RUN. The prompt the model was trained with (plain, default, or r1)")
     p.add_argument("--seed", type=int, default=0, help="for the samples (0)")
     p.add_argument("--device", default="auto", help="auto (cuda if there is one), cpu, cuda")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
 
+# eval's flags that default to the run's own setting (run_settings), and their defaults otherwise
+EVAL_DEFAULTS = {"data": "openai/gsm8k", "reward": [], "limit": 0, "max_new_tokens": 512,
+                 "batch_size": 32, "system_prompt": None, "template": "plain"}
+
+
+def run_settings(model: str) -> dict:
+    """The settings a run scored its held-out rows with, from the summary.json of the run whose
+    folder (or final/) `model` names: eval's flag names to values; {} for any other model."""
+    path = Path(model).expanduser()
+    if (path / "final").is_dir():
+        summary = path / "summary.json"
+    elif path.name == "final":
+        summary = path.parent / "summary.json"
+    else:
+        return {}
+    if not summary.is_file():
+        return {}
+    saved = json.loads(summary.read_text())
+    t, g = saved.get("train_config", {}), saved.get("grpo_config", {})
+    return {"data": t.get("data"), "reward": t.get("reward"), "limit": t.get("eval_size"),
+            "max_new_tokens": g.get("max_new_tokens"), "batch_size": t.get("eval_batch_size"),
+            "system_prompt": t.get("system_prompt"), "template": t.get("template"),
+            "bf16": t.get("bf16", False)}
+
+
 def checked_eval_args(argv: list[str]):
     """eval's flags, each checked: a bad one raises InputError naming it."""
     a = eval_parser().parse_args(argv)
+    # WHY: a run is scored as it scored itself; a flag given overrides the run's setting.
+    run = run_settings(a.model)
+    for name, default in EVAL_DEFAULTS.items():
+        if getattr(a, name) is None:
+            setattr(a, name, run[name] if run.get(name) is not None else default)
+    a.bf16 = run.get("bf16", False)
     for name, low in [("k", 1), ("limit", 0), ("max_new_tokens", 1), ("batch_size", 1)]:
         if getattr(a, name) < low:
             raise InputError(f"--{name.replace('_', '-')} must be >= {low}, "
@@ -158,10 +195,12 @@ def eval_command(argv: list[str]) -> dict:
     from machinery import engine  # NOTE: the fast sampler; it draws grpo.decode's tokens
     sample = engine.apply(engine.EngineConfig(), grpo.Seams(), grpo.eos_token_ids(model, tokenizer),
                           grpo.pad_token_id(model, tokenizer)).sample
-    greedy = evaluate(model, tokenizer, task.score_func, rows, cfg, system_prompt, a.batch_size,
-                      "greedy", sample)
-    torch.manual_seed(a.seed)
-    maj, best = sampled_scores(model, tokenizer, task, rows, cfg, a, system_prompt, sample)
+    # NOTE: a run trained with --bf16 scored itself under bf16 autocast; so does its eval.
+    with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=a.bf16):
+        greedy = evaluate(model, tokenizer, task.score_func, rows, cfg, system_prompt,
+                          a.batch_size, "greedy", sample)
+        torch.manual_seed(a.seed)
+        maj, best = sampled_scores(model, tokenizer, task, rows, cfg, a, system_prompt, sample)
     res = {"model": a.model, "data": a.data, "problems": len(rows), "k": a.k,
            "template": a.template, "temperature": a.temperature, "max_new_tokens": a.max_new_tokens,
            "score": grpo.reward_name(task.score_func), "greedy_accuracy": greedy,

@@ -201,6 +201,8 @@ GOOD = json.dumps({"question": "1+1?", "answer": "1+1=<<1+1=2>>2\n#### 2"})
     ("beta", "--beta must be >= 0"),
     ("critic_lora", "--baseline critic (PPO, ppo.py) trains every weight from the start"),
     ("lam", "--lam must be from 0 to 1"),
+    ("model_before_data", "model directory /no/such/dir does not exist"),
+    ("gguf_before_data", "model file /no/such/model.gguf does not exist"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, case, expected, capsys, monkeypatch):
     data = tmp_path / "data"
@@ -216,7 +218,10 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, case, expected, caps
             "group_size": ["--group-size", "1"],
             "beta": ["--beta", "-0.1"],
             "critic_lora": ["--baseline", "critic", "--lora-r", "4"],
-            "lam": ["--baseline", "critic", "--lam", "1.5"]}[case]
+            "lam": ["--baseline", "critic", "--lam", "1.5"],
+            # the model is named before the data is read: both are wrong here
+            "model_before_data": ["--model", "/no/such/dir", "--data", "openai/gsm8k"],
+            "gguf_before_data": ["--model", "/no/such/model.gguf", "--data", "/no/data"]}[case]
     if case == "bad_json":
         write(data / "train.jsonl", GOOD + "\n{not json\n")
     if case == "missing_field":
@@ -232,6 +237,30 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, case, expected, caps
     assert expected in err
     assert len(err.strip().splitlines()) == 1, err
     assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("left_behind", ["metrics.jsonl", "summary.json", "final",
+                                         "checkpoint-3"])
+def test_an_out_folder_that_holds_a_run_is_refused(tmp_path, capsys, left_behind):
+    """A new run into a folder an earlier (or interrupted) run wrote to would mix the two runs'
+    logs: refused in one line, pointing to --resume, and the folder is left as it was."""
+    out = tmp_path / "run"
+    (out / left_behind).parent.mkdir(parents=True, exist_ok=True)
+    if "." in left_behind:
+        (out / left_behind).write_text("{}\n")
+    else:
+        (out / left_behind).mkdir()
+    before = sorted(p.name for p in out.iterdir())
+    assert train_gsm8k.cli(["--steps", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} already holds a run" in err and f"--resume {out}" in err
+    assert len(err.strip().splitlines()) == 1 and sorted(p.name for p in out.iterdir()) == before
+
+
+def test_an_empty_out_folder_is_not_a_run(tmp_path):
+    from recipe import checkpoint
+    (tmp_path / "notes.txt").write_text("mine")
+    assert checkpoint.run_in(tmp_path) is None and checkpoint.run_in(tmp_path / "new") is None
 
 
 def test_bad_input_from_the_real_command_line(tmp_path):
@@ -457,6 +486,46 @@ def test_eval_of_a_run_folder_matches_its_own_final_evaluation(tmp_path, answeri
     res = eval_json(out, data, 4, capsys)
     assert res["problems"] == EVAL_N and res["greedy_accuracy"] == summary["accuracy_after"]
     assert 0 <= res["maj@4"] <= res["pass@4"] <= 1
+
+
+def test_eval_of_a_run_with_no_other_flag_scores_as_the_run_did(tmp_path, answering, capsys):
+    """With no flag but --model (the run's folder or its final/), eval takes the run's own data,
+    held-out size and token cap from its summary.json: its greedy score is the run's
+    accuracy_after. (Without them it would score GSM8K's hub split at 512 tokens.)"""
+    model, data = answering
+    out = tmp_path / "run"
+    summary = train_gsm8k.main(["--model", str(model), "--data", str(data), *EVAL_FLAGS,
+                                "--out", str(out)])
+    for model_flag in (out, out / "final"):
+        capsys.readouterr()
+        assert train_gsm8k.cli(["eval", "--model", str(model_flag), "--k", "1", "--json"]) == 0
+        res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert res["greedy_accuracy"] == summary["accuracy_after"]
+        assert (res["data"], res["problems"], res["max_new_tokens"]) == (str(data), EVAL_N,
+                                                                         EVAL_TOKENS)
+
+
+def test_eval_takes_each_scoring_setting_from_the_run_unless_a_flag_overrides_it(tmp_path):
+    """Every setting a run scored itself with comes from its summary.json: data, rewards,
+    held-out size, token cap, decoding batch, system prompt, template, bf16; a flag given wins.
+    Any other model gets eval's own defaults."""
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({
+        "train_config": {"data": "tiny", "reward": ["r.py:f"], "eval_size": 7,
+                         "eval_batch_size": 5, "system_prompt": "Think.", "template": "r1",
+                         "bf16": True},
+        "grpo_config": {"max_new_tokens": 33}}))
+    for model in (run, run / "final"):
+        a = evaluation.checked_eval_args(["--model", str(model)])
+        assert (a.data, a.reward, a.limit, a.batch_size, a.system_prompt, a.template,
+                a.max_new_tokens, a.bf16) == ("tiny", ["r.py:f"], 7, 5, "Think.", "r1", 33, True)
+    a = evaluation.checked_eval_args(["--model", str(run), "--system-prompt", "", "--limit", "2",
+                                      "--max-new-tokens", "9", "--template", "plain"])
+    assert (a.system_prompt, a.limit, a.max_new_tokens, a.template) == ("", 2, 9, "plain")
+    a = evaluation.checked_eval_args(["--model", str(tmp_path / "elsewhere")])
+    assert (a.data, a.reward, a.limit, a.batch_size, a.system_prompt, a.template,
+            a.max_new_tokens, a.bf16) == ("openai/gsm8k", [], 0, 32, None, "plain", 512, False)
 
 
 @pytest.mark.parametrize("argv, says", [
