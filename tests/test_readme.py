@@ -119,3 +119,20 @@ def test_every_readme_figure_is_in_what_its_section_cites():
                 missing.append(f"{title}: {fig}")
     assert checked >= 40, checked
     assert not missing, "not in the pages or results their section cites: " + "; ".join(missing)
+
+
+def test_ci_runs_exactly_the_readmes_install_and_test_commands():
+    """What CI installs is what the README tells a newcomer to install: every `pip install` and
+    `python -m pytest` line of the README's Tests section stands in .ci/run (as `python3 -m ...`),
+    and .ci/run installs nothing else but torch, when it is missing (the quick start's line)."""
+    block = re.search(r"## Tests.*?```bash\n(.*?)```", README, re.S).group(1)
+    readme = [line.split("#")[0].split() for line in block.splitlines() if line.strip()]
+    ci_text = (ROOT / ".ci" / "run").read_text()
+    ci = [line.split() for line in ci_text.splitlines()
+          if line.strip().startswith("python3 -m pip install")]
+    installs = [words for words in readme if words[:2] == ["pip", "install"]]
+    ci_installs = [[w for w in words[2:] if w != "--quiet"] for words in ci
+                   if "torch==2.13.0" not in words]
+    assert installs and ci_installs == installs, (ci_installs, installs)
+    assert any(words[:3] == ["python", "-m", "pytest"] for words in readme)
+    assert "python3 -m pytest" in ci_text

