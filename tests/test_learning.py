@@ -7,8 +7,6 @@ tells it the rule. Needs: torch, transformers. CPU, offline, ~5 s (150 steps of 
 samples).
 """
 
-import time
-
 import torch
 
 import grpo
@@ -28,15 +26,13 @@ def test_mean_reward_rises_from_below_0_2_to_above_0_8():
     ref, opt = grpo.make_reference(model), grpo.make_optimizer(model, cfg)
     prompts = [str(d) for d in range(10)]
 
-    t0, history = time.perf_counter(), []
+    history = []
     for _ in range(150):
         history.append(grpo.grpo_step(model, ref, opt, tok, prompts, [next_digit], cfg)["reward"])
-    elapsed = time.perf_counter() - t0
 
     start, end = sum(history[:5]) / 5, sum(history[-10:]) / 10
     assert start < 0.2, history[:5]
     assert end > 0.8, history[-10:]
-    assert elapsed < 60, f"took {elapsed:.0f} s"
 
     # The learned rule holds under greedy decoding too, for every digit.
     enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left")

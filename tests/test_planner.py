@@ -241,4 +241,4 @@ def test_prediction_within_15_percent_of_measured_steps():
     assert res["runtime_allowance_mb"] == allowance
     for r in res["plan_check"]:
         assert r["planned_mb"] == pytest.approx(r["planned_tensors_mb"] + allowance)
-        assert r["error_without_allowance"] > r["error"]
+        assert r["error"] == pytest.approx(r["measured_mb"] / r["planned_mb"] - 1)

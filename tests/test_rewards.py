@@ -174,6 +174,13 @@ TEXT = st.one_of(st.text(max_size=2000), st.lists(PIECES, max_size=400).map("".j
                      lambda t: t[0] * t[1]))
 
 
+# The rewards read model-written text, so a regular expression that backtracks without bound
+# would stall training. The fast tier checks that they never raise and give 0 or 1; the slow
+# tier times them, with bounds far above a healthy call (about a millisecond) and far below a
+# backtracking one (seconds and up), so a busy machine does not fail them.
+CALL_BOUND_S = 0.1
+
+
 def slowest_of_3_best(fn, *args) -> float:
     """Seconds for one call: the best of 3, so a busy machine's stalls do not count."""
     import time
@@ -187,15 +194,22 @@ def slowest_of_3_best(fn, *args) -> float:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(TEXT)
-def test_fuzz_rewards_never_raise_and_take_milliseconds(text):
+def test_fuzz_rewards_never_raise(text):
     text = text[:100_000]
-    assert slowest_of_3_best(correctness_reward, [text], ["72"]) < 0.010
-    assert slowest_of_3_best(format_reward, [text]) < 0.010
     assert correctness_reward([text], ["72"]) in ([0.0], [1.0])
     assert format_reward([text]) in ([0.0], [1.0])
 
 
-@pytest.mark.parametrize("text", [
+@pytest.mark.slow
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(TEXT)
+def test_fuzz_rewards_take_milliseconds(text):
+    text = text[:100_000]
+    assert slowest_of_3_best(correctness_reward, [text], ["72"]) < CALL_BOUND_S
+    assert slowest_of_3_best(format_reward, [text]) < CALL_BOUND_S
+
+
+WORST_CASES = [
     "<answer>" * 12_500,                        # 100 KB of unclosed tags
     "\\boxed{" * 14_000,                         # 100 KB of unclosed boxes
     "\\boxed{" * 5000 + "}" * 5000,              # deeply nested boxes
@@ -205,10 +219,20 @@ def test_fuzz_rewards_never_raise_and_take_milliseconds(text):
     "\\boxed{" + "{}" * 4995,
     ("1 2, 3 or " * 1000)[:9_999],
     ("#### 1\n" * 1428)[:9_999],
-])
+]
+
+
+@pytest.mark.parametrize("text", WORST_CASES)
+def test_worst_case_inputs_give_0_or_1(text):
+    assert correctness_reward([text], ["72"]) in ([0.0], [1.0])
+    assert format_reward([text]) in ([0.0], [1.0])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", WORST_CASES)
 def test_worst_case_inputs_take_milliseconds(text):
-    assert slowest_of_3_best(correctness_reward, [text], ["72"]) < 0.010
-    assert slowest_of_3_best(format_reward, [text]) < 0.010
+    assert slowest_of_3_best(correctness_reward, [text], ["72"]) < CALL_BOUND_S
+    assert slowest_of_3_best(format_reward, [text]) < CALL_BOUND_S
 
 
 # --- safe arithmetic for model-written calculator annotations ------------------------------------
@@ -242,9 +266,15 @@ def test_arithmetic_is_exact(expression, value):
     "(" * 5000 + "1" + ")" * 5000,
     "", "  ", "1 +", "1; 2",
 ])
-def test_arithmetic_refuses_anything_else_quickly(expression):
+def test_arithmetic_refuses_anything_else(expression):
     assert evaluate_arithmetic(expression) is None
-    assert slowest_of_3_best(evaluate_arithmetic, expression) < 0.005
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("expression", ["9**9**9**9", "9" * 5000, "1" + "*99999999999999" * 6,
+                                        "(" * 5000 + "1" + ")" * 5000])
+def test_arithmetic_refuses_the_costly_ones_quickly(expression):
+    assert slowest_of_3_best(evaluate_arithmetic, expression) < CALL_BOUND_S
 
 
 # --- step rewards for process supervision --------------------------------------------------------

@@ -606,8 +606,8 @@ def test_plain_runs_grpo_py_alone_and_lands_where_the_machinery_does(tmp_path, c
                                                                      monkeypatch):
     """--plain trains with grpo.Seams() (none of machinery/: engine.apply and memory.apply would
     raise here); the default run applies them. The same seed gives the same samples and rewards,
-    and the accuracy after within one problem: the machinery draws the page's tokens and scores
-    them to float rounding."""
+    and the same sampled texts: the machinery draws the page's tokens and scores them to float
+    rounding."""
     from machinery import engine, memory
     real = engine.apply, memory.apply
 
@@ -620,7 +620,7 @@ def test_plain_runs_grpo_py_alone_and_lands_where_the_machinery_does(tmp_path, c
     applied = []
     monkeypatch.setattr(engine, "apply", lambda *a: applied.append(1) or real[0](*a))
     monkeypatch.setattr(memory, "apply", lambda *a: applied.append(2) or real[1](*a))
-    fast = train_gsm8k.main([*TINY_FLAGS, "--out", str(tmp_path / "fast")])
+    train_gsm8k.main([*TINY_FLAGS, "--out", str(tmp_path / "fast")])
     assert applied == [1, 2] and plain["train_config"]["plain"] is True
     metrics = [[json.loads(line) for line in (tmp_path / d / "metrics.jsonl").open()]
                for d in ("plain", "fast")]
@@ -628,4 +628,8 @@ def test_plain_runs_grpo_py_alone_and_lands_where_the_machinery_does(tmp_path, c
         assert a["reward"] == b["reward"] and a["completions/mean_length"] == \
             b["completions/mean_length"]
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
-    assert abs(plain["accuracy_after"] - fast["accuracy_after"]) <= 1 / 6
+    # NOTE: no accuracy is compared: a 5-step warm start answers nothing, so both are 0 and the
+    #       comparison could not fail. The sampled texts, step by step, are the check.
+    plain_samples, fast_samples = ((tmp_path / d / "samples.jsonl").read_text()
+                                   for d in ("plain", "fast"))
+    assert plain_samples == fast_samples and len(plain_samples.splitlines()) >= 2
