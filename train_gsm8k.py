@@ -233,13 +233,18 @@ def parse_args(argv=None) -> list:
                        or dataclasses.replace(ecfg, compile="auto") != engine.EngineConfig()):
         raise InputError("--plain runs grpo.py's own code alone: drop the speed and memory "
                          "switches")
-    # WHY here, before the data is read: the mistakes a user makes first are named first.
+    return configs
+
+
+def check_paths(tcfg: TrainConfig):
+    """The paths a run names, checked before anything is read or written: a --model path that
+    does not exist, and an --out folder that already holds a run (two runs' logs would mix).
+    WHY first: the mistake a user makes first is the one named first, before the data's."""
     if tcfg.model:
-        checkpoint.local_model_path(tcfg.model)  # a --model path that does not exist
+        checkpoint.local_model_path(tcfg.model)
     if tcfg.out and not tcfg.resume and (found := checkpoint.run_in(Path(tcfg.out))):
         raise InputError(f"--out {tcfg.out} already holds a run ({found}): continue it with "
                          f"--resume {tcfg.out}, or name a new folder")
-    return configs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,6 +377,7 @@ def setup(configs: list) -> Run:
     from tqdm.auto import tqdm
     torch.set_num_threads(tcfg.threads or torch.get_num_threads())
     device = checkpoint.device_of(tcfg.device)
+    check_paths(tcfg)
     task, gcfg, tcfg = load_task(tcfg, gcfg)
     ecfg = dataclasses.replace(ecfg, sampler=engine.sampler_for(
         ecfg.compile, ecfg.sampler, tcfg.steps * gcfg.max_new_tokens))
@@ -450,6 +456,8 @@ def finish(run: Run, t_command: float) -> dict:
                        grpo.reward_name(run.task.score_func))
     summary = {"accuracy_before": acc_before, "accuracy_after": acc_after,
                "accuracy_gain": acc_after - acc_before, "steps": tcfg.steps, "wall_seconds": wall,
+               # the GRPO steps alone (each step_time), evaluations and loading left out
+               "train_seconds": sum(m.get("step_time", 0.0) for m in run.log.metrics),
                "model": state["model"], "data": tcfg.data, "eval_size": n_eval,
                "score": grpo.reward_name(run.task.score_func),   # what accuracy_* average
                "device": run.device, "torch_threads": torch.get_num_threads(),

@@ -1,5 +1,6 @@
 """
-benchmarks/fits_table.py -- the README's "What fits on one card" table, from planner.py.
+benchmarks/fits_table.py -- the README's table of what fits on one card ("One GPU and beyond"),
+from planner.py.
 
     python benchmarks/fits_table.py            # the markdown table, then one JSON line
     python benchmarks/fits_table.py --max-new-tokens 1024
