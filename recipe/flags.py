@@ -96,6 +96,13 @@ def flag_parser(configs: list[tuple[type, dict, str]], presets: dict[str, dict],
             parser.add_argument(f"--no-{f.name.replace('_', '-')}", f"--no_{f.name}", dest=f.name,
                                 action="store_false", default=argparse.SUPPRESS,
                                 help=f"turn --{f.name.replace('_', '-')} off")
+    for action in parser._actions:
+        # WHY: the hyphenated spelling first, as the README writes flags: --help's usage line and
+        #      its list show the first; the underscore spelling still works.
+        action.option_strings.sort(key=lambda s: "_" in s)
+        if isinstance(action, argparse._StoreFalseAction) and not action.help.startswith("turn"):
+            # NOTE: HfArgumentParser's own --no-X repeats X's help, "(default: True)" and all
+            action.help = f"turn --{action.dest.replace('_', '-')} off"
     return parser
 
 

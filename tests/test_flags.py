@@ -107,6 +107,20 @@ def test_train_gsm8k_help_lists_every_field_with_the_preset_values(capsys):
     assert "qwen2.5-0.5b: 'Qwen/Qwen2.5-0.5B-Instruct'" in out
 
 
+def test_help_spells_flags_as_the_readme_does_and_says_what_each_no_switch_does(capsys):
+    """--help's usage line and list show the hyphenated spelling first (the README's); every
+    --no-X says it turns --X off, never X's own help again with "(default: True)"."""
+    assert train_gsm8k.cli(["--help"]) == 0
+    out = capsys.readouterr().out
+    usage = out[:out.index("\n\n")]
+    assert "--prompts-per-step PROMPTS_PER_STEP" in usage and "--prompts_per_step" not in usage
+    assert "--no-scale-rewards" in usage and "--no_scale_rewards" not in usage
+    text = " ".join(out.split())
+    for name in ("scale-rewards", "share-prompts", "fp32-logits", "whiten-advantages", "bf16"):
+        assert f"--no-{name}, --no_{name.replace('-', '_')} turn --{name} off" in text, name
+    assert train_gsm8k.parse_args(["--prompts_per_step", "3"])[0].prompts_per_step == 3
+
+
 def test_every_old_flag_spelling_still_parses():
     """The flags users had before the generated parser: hyphenated names, --no-* for bools."""
     tcfg, gcfg, _, ecfg, mcfg, bcfg = train_gsm8k.parse_args(
@@ -138,8 +152,8 @@ def test_help_shows_the_machinery_in_its_own_sections(capsys):
         at = out.index(f"\n  --{flag} ")
         return sum(at > start for start in sections) - 1
 
-    assert [section_of(f) for f in ("plain", "group_size", "sampler", "share_prompts",
-                                    "logprob_chunk", "update_in_backward", "baseline")] == \
+    assert [section_of(f) for f in ("plain", "group-size", "sampler", "share-prompts",
+                                    "logprob-chunk", "update-in-backward", "baseline")] == \
         [0, 1, 2, 2, 3, 3, 4]
 
 
