@@ -149,7 +149,7 @@ def sft_control_run(out: Path, seed: int, seconds: float, settings, threads: int
         "accuracy_before": before, "accuracy_after": after, "accuracy_gain": after - before,
         "steps": steps, "wall_seconds": spent, "train_seconds": spent, "model": name,
         "data": "tiny", "eval_size": len(eval_rows), "torch_threads": threads,
-        "supervised_steps": steps,
+        "supervised_steps": steps, "budget_seconds": seconds,  # grpo's train_seconds, this seed
         "train_config": {"seed": seed}})
     return d
 
