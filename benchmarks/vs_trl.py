@@ -148,18 +148,26 @@ def max_dropout(model) -> float:
     return max(ps, default=0.0)
 
 
-def our_settings(a, cfg, ecfg, policy) -> dict:
-    """What our side effectively runs with, in the vocabulary both sides share (trl_settings)."""
+def our_settings(a, cfg, ecfg, policy, opt) -> dict:
+    """What our side effectively runs with, in the vocabulary both sides share (trl_settings), read
+    after training: the optimizer's lr then, the sampler's own parameters."""
+    import inspect
     from machinery import engine
+    import grpo
+    sampler = inspect.signature(grpo.draw_tokens).parameters
     return {"group_size": cfg.group_size, "completions_per_step": a.prompts * cfg.group_size,
             "max_new_tokens": cfg.max_new_tokens, "min_new_tokens": ecfg.min_new_tokens,
             "temperature": cfg.temperature,
-            # NOTE: grpo.draw_tokens has no top-k or top-p at all: these are its fixed values.
-            "top_k": 0, "top_p": 1.0,
+            # NOTE: grpo.draw_tokens takes no top-k or top-p: with none, these are its values.
+            "top_k": 0 if "top_k" not in sampler else None,
+            "top_p": 1.0 if "top_p" not in sampler else None,
             "beta": cfg.beta, "num_iterations": cfg.num_iterations, "loss_type": cfg.loss_type,
             "scale_rewards": cfg.scale_rewards, "clip_eps": cfg.clip_eps,
             "clip_eps_high": cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high,
-            "lr": cfg.lr, "lr_schedule": "constant", "weight_decay": cfg.weight_decay,
+            # WHY the optimizer's own lr after training: a schedule would have moved it
+            "lr": opt.param_groups[0]["lr"],
+            "lr_schedule": "constant" if opt.param_groups[0]["lr"] == cfg.lr else "changed",
+            "weight_decay": opt.param_groups[0]["weight_decay"],
             "max_grad_norm": cfg.max_grad_norm, "bf16": a.bf16,
             "gradient_checkpointing": engine.checkpointed(policy),
             "max_dropout": max_dropout(policy),
@@ -226,7 +234,8 @@ def run_ours(a) -> dict:
                            columns={"answer": [r["answer"] for r in batch]}, seams=seams)
         sync(a.device)
         times.append(time.perf_counter() - t)
-    return {"step_times": times, **peaks(a.device), "settings": our_settings(a, cfg, ecfg, policy),
+    return {"step_times": times, **peaks(a.device),
+            "settings": our_settings(a, cfg, ecfg, policy, opt),
             "compile_s": engine.compile_seconds()}
 
 
