@@ -691,8 +691,9 @@ def policy_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: GRPOC
             loss, parts = micro_batch_loss(logp, batch, s, logp_old, logp_ref, cfg)    # ()
             # its share of the batch's loss: backward adds its gradient to the others'
             update.backward(loss * weights[k])                                        # ()
-            loss_sum += loss.item() * weights[k]
-            stats["loss"] += loss.item() * weights[k] / mu
+            value = loss.item()  # one device sync a micro-batch
+            loss_sum += value * weights[k]
+            stats["loss"] += value * weights[k] / mu
             for key, v in parts.items():  # kl, clip_ratio/*: means over tokens, so weighed so
                 stats[key] = stats.get(key, 0.0) + v * shares[k] / mu
             if it == 0:

@@ -148,8 +148,9 @@ def cispo_update(policy, optimizer, batch: dict, logp_old, logp_ref, cfg: grpo.G
             loss, parts = cispo_loss(logp, old, None if logp_ref is None else logp_ref[s], A,
                                      mask[s], cfg)
             update.backward(loss * weights[k])
-            loss_sum += loss.item() * weights[k]
-            stats["loss"] += loss.item() * weights[k] / mu
+            value = loss.item()  # one device sync a micro-batch
+            loss_sum += value * weights[k]
+            stats["loss"] += value * weights[k] / mu
             for key, v in parts.items():
                 stats[key] = stats.get(key, 0.0) + v * shares[k] / mu
             if it == 0:

@@ -192,13 +192,13 @@ def run_in(out: Path) -> str | None:
 
 
 def local_model_path(name: str) -> Path | None:
-    """The folder, .gguf file or config.json on disk that --model names, or None for a hub id. One
-    that does not exist raises InputError naming it: a cheap check, made before the data is read,
-    so that a mistyped path is the first thing a run reports.
+    """The folder or .gguf file on disk that --model names, or None for a hub id. One that does
+    not exist raises InputError naming it: a cheap check, made before the data is read, so that a
+    mistyped path is the first thing a run reports.
     A hub id is "name" or "org/name"; anything on disk, starting like a path, or with more
     slashes is a local folder."""
     local = Path(name).expanduser()
-    if name.endswith((".gguf", ".json")):  # NOTE: `plan` also takes a model's config.json
+    if name.endswith(".gguf"):
         if not local.is_file():
             raise InputError(f"model file {local} does not exist")
         return local
