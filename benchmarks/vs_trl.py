@@ -148,7 +148,22 @@ def max_dropout(model) -> float:
     return max(ps, default=0.0)
 
 
-def our_settings(a, cfg, ecfg, policy, opt) -> dict:
+def record_first_call(model) -> dict:
+    """The keyword arguments of the model's next forward call (grpo_step's first: sampling's
+    prefill), recorded into the returned dict; the hook then removes itself, before any compiled
+    decode step runs, so the timed steps run without it."""
+    seen = {}
+
+    def hook(module, args, kwargs):
+        if not seen:
+            seen.update(kwargs)
+            handle.remove()
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+def our_settings(a, cfg, ecfg, policy, opt, first_call) -> dict:
     """What our side effectively runs with, in the vocabulary both sides share (trl_settings), read
     after training: the optimizer's lr then, the sampler's own parameters."""
     import inspect
@@ -171,7 +186,8 @@ def our_settings(a, cfg, ecfg, policy, opt) -> dict:
             "max_grad_norm": cfg.max_grad_norm, "bf16": a.bf16,
             "gradient_checkpointing": engine.checkpointed(policy),
             "max_dropout": max_dropout(policy),
-            "generation_kv_cache": True}  # NOTE: engine.decode always keeps a KV cache
+            # NOTE: what sampling's first forward asked of the model, as TRL's generation config
+            "generation_kv_cache": first_call.get("use_cache") is True}
 
 
 def trl_settings(trainer) -> dict:
@@ -223,7 +239,7 @@ def run_ours(a) -> dict:
     # WHY: fp32 weights with bf16 autocast, as train_gsm8k.py --bf16 and TRL's bf16=True both do.
     autocast = torch.autocast(device_type=a.device.split(":")[0], dtype=torch.bfloat16,
                               enabled=a.bf16)
-    times = []
+    times, first_call = [], record_first_call(policy)
     for step in range(a.steps):
         batch = rows[step * a.prompts:(step + 1) * a.prompts]
         sync(a.device)
@@ -235,7 +251,7 @@ def run_ours(a) -> dict:
         sync(a.device)
         times.append(time.perf_counter() - t)
     return {"step_times": times, **peaks(a.device),
-            "settings": our_settings(a, cfg, ecfg, policy, opt),
+            "settings": our_settings(a, cfg, ecfg, policy, opt, first_call),
             "compile_s": engine.compile_seconds()}
 
 

@@ -7,6 +7,7 @@ steps against its prediction (benchmarks/memory_parts.py --plan-check).
 Needs: torch, transformers (peft for the LoRA count). CPU, offline, ~10 s; the slow test ~40 s.
 """
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -226,14 +227,17 @@ def test_prediction_within_15_percent_of_measured_steps():
     32,000): full fine-tuning, LoRA, chunked log-probs, checkpointing, PPO with its critic
     (ppo.py), AdamW inside backward (memory.step_in_backward) and lean activations
     (memory.lean_activations), each a real step's peak within 15% of the plan (docs/memory.md
-    has larger sizes)."""
-    pytest.importorskip("peft", reason="one of the steps trains LoRA: pip install -r "
-                                       "requirements-dev.txt")
+    has larger sizes). Without peft (requirements.txt alone) the LoRA case is skipped, named, and
+    the other six still run."""
     proc = subprocess.run([sys.executable, "benchmarks/memory_parts.py", "--plan-check",
                            "llama-h256", "--jobs", "2"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(res["plan_check"]) == 7 and res["within_15pct"]
+    has_peft = importlib.util.find_spec("peft") is not None
+    variants = [r["variant"] for r in res["plan_check"]]
+    assert ("LoRA r 16" in variants) == has_peft and len(variants) == 6 + has_peft
+    assert res["skipped"] == ([] if has_peft else ["LoRA r 16: peft is not installed"])
+    assert res["within_15pct"]
     assert all(abs(r["error"]) <= 0.15 for r in res["plan_check"])
     # The plan checked is the tensors plus the fixed, documented allowance, not one calibrated in
     # this run (a bug that fitted the allowance to the measurements would pass the bound above)
