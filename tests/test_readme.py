@@ -136,3 +136,37 @@ def test_ci_runs_exactly_the_readmes_install_and_test_commands():
     assert installs and ci_installs == installs, (ci_installs, installs)
     assert any(words[:3] == ["python", "-m", "pytest"] for words in readme)
     assert "python3 -m pytest" in ci_text
+
+
+# --- the GRPO-against-PPO table, recomputed from its raw results ----------------------------------
+COMPARED = {"GRPO": "grpo", "PPO + critic": "ppo", "PPO, critic at 10x lr": "ppo_critic_lr",
+            "RLOO": "rloo", "REINFORCE": "reinforce"}  # the README's row: the runs' name
+
+
+def test_grpo_against_ppo_recomputes_from_each_runs_summary():
+    """The README's GRPO-against-PPO table from the raw summary.json of each seed's run in the
+    folder its section names, not from the derived compare.md: each method's final accuracy
+    (mean ± sample std over seeds), its lead over GRPO, its seconds per step (the summed step
+    times over the steps), and the time ratio the text states. A figure with no raw source, or
+    one edited in one place only, fails here."""
+    import json
+    import statistics
+    part = sections()["Results"].split("### GRPO against PPO with a critic")[1].split("\n## ")[0]
+    folder = ROOT / re.search(r"`(benchmarks/results/[^`]+)`", part).group(1)
+    seeds = re.search(r"--seeds ([\d ]+)", part).group(1).split()
+    per_step, accuracy = {}, {}
+    for line in part.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        name = next((run for row, run in COMPARED.items() if cells[0].split(" (")[0] == row), None)
+        if name is None:
+            continue
+        runs = [json.loads((folder / f"{name}-seed{s}.summary.json").read_text()) for s in seeds]
+        acc = [100 * r["accuracy_after"] for r in runs]
+        accuracy[name] = statistics.mean(acc)
+        per_step[name] = statistics.mean(r["train_seconds"] / r["steps"] for r in runs)
+        assert cells[1] == f"{accuracy[name]:.1f} ± {statistics.stdev(acc):.1f}", (name, cells)
+        assert cells[3] == f"{per_step[name]:.2f}", (name, cells)
+        lead = "—" if name == "grpo" else f"{accuracy[name] - accuracy['grpo']:+.1f} "
+        assert cells[2].startswith(lead), (name, cells)
+    assert sorted(per_step) == sorted(COMPARED.values())
+    assert f"time, {per_step['grpo'] / per_step['ppo']:.2f} of PPO's" in part
