@@ -64,8 +64,11 @@ policy = grpo.disable_dropout(policy)
 ref = grpo.make_reference(policy)
 before = [p.detach().clone() for p in policy.parameters()]
 m = grpo.grpo_step(policy, ref, grpo.make_optimizer(policy, cfg), tok, prompts, [has_a], cfg)
+# NOTE: a virtual environment inside the checkout (sys.prefix) holds packages, not the project
+venv = sys.prefix + "/" if sys.prefix.startswith(sys.argv[2] + "/") else "\0"
 project = sorted(name for name, mod in sys.modules.items()
-                 if (getattr(mod, "__file__", None) or "").startswith(sys.argv[2]))
+                 if (getattr(mod, "__file__", None) or "").startswith(sys.argv[2] + "/")
+                 and not mod.__file__.startswith(venv))
 print(json.dumps({"loss": m["loss"], "kl": m["kl"], "reward_std": m["reward_std"],
                   "moved": any(not torch.equal(a, b) for a, b in zip(before, policy.parameters())),
                   "grpo_file": grpo.__file__, "project_modules": project,
@@ -114,8 +117,11 @@ def test_a_default_step_runs_only_grpo_py(monkeypatch):
     finally:
         sys.setprofile(None)
     # NOTE: frames of generated code carry names like "<string>": only real files count.
-    project = {Path(f).resolve() for f in files
-               if Path(f).is_absolute() and Path(f).resolve().is_relative_to(ROOT)}
+    # NOTE: a virtual environment inside the checkout (sys.prefix) holds packages, not the project
+    venv = Path(sys.prefix).resolve()
+    project = {Path(f).resolve() for f in files if Path(f).is_absolute()
+               and Path(f).resolve().is_relative_to(ROOT)
+               and not (venv.is_relative_to(ROOT) and Path(f).resolve().is_relative_to(venv))}
     assert project == {ROOT / "grpo.py", Path(__file__).resolve()}, sorted(map(str, project))
     assert m["reward_std"] > 0 and len(files) > 20  # a real step, and the profiler saw it
 
