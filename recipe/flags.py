@@ -94,14 +94,14 @@ def flag_parser(configs: list[tuple[type, dict, str]], presets: dict[str, dict],
         if f.type is bool and f.default is False:
             # WHY: HfArgumentParser adds --no-X only where the default is True; keep both spellings.
             parser.add_argument(f"--no-{f.name.replace('_', '-')}", f"--no_{f.name}", dest=f.name,
-                                action="store_false", default=argparse.SUPPRESS,
-                                help=f"turn --{f.name.replace('_', '-')} off")
+                                action="store_false", default=argparse.SUPPRESS)
     for action in parser._actions:
         # WHY: the hyphenated spelling first, as the README writes flags: --help's usage line and
         #      its list show the first; the underscore spelling still works.
         action.option_strings.sort(key=lambda s: "_" in s)
-        if isinstance(action, argparse._StoreFalseAction) and not action.help.startswith("turn"):
-            # NOTE: HfArgumentParser's own --no-X repeats X's help, "(default: True)" and all
+        if isinstance(action, argparse._StoreFalseAction):
+            # NOTE: every --no-X, those added above and HfArgumentParser's own (which would repeat
+            #       X's help, "(default: True)" and all), says the one thing it does
             action.help = f"turn --{action.dest.replace('_', '-')} off"
     return parser
 

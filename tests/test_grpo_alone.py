@@ -65,10 +65,10 @@ ref = grpo.make_reference(policy)
 before = [p.detach().clone() for p in policy.parameters()]
 m = grpo.grpo_step(policy, ref, grpo.make_optimizer(policy, cfg), tok, prompts, [has_a], cfg)
 # NOTE: a virtual environment inside the checkout (sys.prefix) holds packages, not the project
-venv = sys.prefix + "/" if sys.prefix.startswith(sys.argv[2] + "/") else "\0"
+venv_inside = sys.prefix.startswith(sys.argv[2] + "/")
 project = sorted(name for name, mod in sys.modules.items()
                  if (getattr(mod, "__file__", None) or "").startswith(sys.argv[2] + "/")
-                 and not mod.__file__.startswith(venv))
+                 and not (venv_inside and mod.__file__.startswith(sys.prefix + "/")))
 print(json.dumps({"loss": m["loss"], "kl": m["kl"], "reward_std": m["reward_std"],
                   "moved": any(not torch.equal(a, b) for a, b in zip(before, policy.parameters())),
                   "grpo_file": grpo.__file__, "project_modules": project,
