@@ -273,7 +273,6 @@ class Run:
     step_fn: object
     """grpo.grpo_step, or a compared method's step (baselines.step_function): the same
     signature."""
-    autocast: object
     device: str
     order: list[int]
     """The order training rows are taken in (shuffled by --seed for a file's rows)."""
@@ -281,11 +280,21 @@ class Run:
 
     def evaluate(self, desc: str, rows: list[dict] | None = None) -> float:
         """The task's held-out score (evaluation.evaluate) of the policy now, on `rows` (all)."""
-        with self.autocast:
-            return evaluation.evaluate(self.policy, self.tokenizer, self.task.score_func,
-                                       self.task.test if rows is None else rows, self.gcfg,
-                                       self.tcfg.system_prompt, self.tcfg.eval_batch_size, desc,
-                                       self.seams.sample)
+        return evaluation.evaluate(self.policy, self.tokenizer, self.task.score_func,
+                                   self.task.test if rows is None else rows, self.gcfg,
+                                   self.tcfg.system_prompt, self.tcfg.eval_batch_size, desc,
+                                   self.seams.sample)
+
+    def step(self, step: int) -> dict:
+        """GRPO step `step` (or the compared method's) on its B rows: its metrics and samples.
+        NOTE: under --bf16 no autocast region is open here: the seams open one for each forward
+              pass (precision.autocast_seams), so backward runs outside autocast, as AMP's does."""
+        prompts, columns = self.prompts_of(self.rows_of_step(step))
+        with memory.offloaded(self.mcfg.offload_activations):
+            return self.step_fn(self.policy, self.ref, self.optimizer, self.tokenizer, prompts,
+                                self.task.reward_funcs, self.gcfg, columns=columns,
+                                return_samples=True, more_prompts=self.more_prompts,
+                                seams=self.seams)
 
     def prompts_of(self, rows: list[dict]) -> tuple[list, dict]:
         """(prompt texts, columns) of `rows`, as grpo_step takes them."""
@@ -345,12 +354,13 @@ def policy_and_reference(tcfg: TrainConfig, gcfg: grpo.GRPOConfig, device: str, 
     return policy, tokenizer, model_name, ref
 
 
-def applied_from_outside(policy, ref, tokenizer, configs: list) -> tuple:
+def applied_from_outside(policy, ref, tokenizer, configs: list, device: str) -> tuple:
     """(seams, step function): the speed and memory machinery, each a switch of its own config,
     applied to grpo.py in this one place (nanoGPT's torch.compile line); --plain: none of them,
     grpo.py's own code alone. Then the method's step: grpo.grpo_step, or one built in compare/
     from grpo.py's pieces (baselines.step_function: RLOO, REINFORCE, CISPO, and PPO, whose step
-    trains a value model beside the policy)."""
+    trains a value model beside the policy). Last, --bf16's autocast, around each forward pass
+    (precision.autocast_seams; with --plain, around grpo.py's own sampler and scorer)."""
     tcfg, gcfg, pcfg, ecfg, mcfg, bcfg = configs
     seams = grpo.Seams()
     policy.train()
@@ -366,6 +376,10 @@ def applied_from_outside(policy, ref, tokenizer, configs: list) -> tuple:
     step_fn = baselines.step_function(bcfg, policy, gcfg, pcfg)
     if not tcfg.plain:
         engine.compile_layers(ecfg, mcfg.update_in_backward, policy, ref)  # compiled decoding
+    if tcfg.bf16:  # AMP: each forward under bf16 autocast, in a region of its own; backward not
+        seams = precision.autocast_seams(seams, device.split(":")[0])
+        if isinstance(step_fn, ppo.Critic):  # NOTE: PPO's value model runs its own forwards
+            precision.autocast_forward(step_fn.value, device.split(":")[0])
     return seams, step_fn
 
 
@@ -387,6 +401,8 @@ def setup(configs: list) -> Run:
     if tcfg.resume:  # WHY: LoRA's checkpoints hold adapters only; they load into the policy
         base, policy = (policy if tcfg.lora_r else None), None
         policy, optimizer, state = checkpoint.resume(out, device, gcfg, report.LOGS, base)
+        if tcfg.bf16 and not tcfg.plain:  # WHY: a checkpoint saves a plain output layer
+            precision.fp32_logits(policy, tcfg.fp32_logits)
     else:
         optimizer = grpo.make_optimizer(policy, gcfg)
         state = checkpoint.new_state(model_name, tcfg.steps * tcfg.prompts_per_step)
@@ -394,8 +410,7 @@ def setup(configs: list) -> Run:
     state.update({key: dataclasses.asdict(c) for (_, key, _), c in zip(CONFIGS, configs)})
     log = report.RunLog(out, not tcfg.resume, tcfg.report_to, state, gcfg.num_iterations,
                         grpo.reward_name(task.score_func))
-    seams, step_fn = applied_from_outside(policy, ref, tokenizer, configs)
-    autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=tcfg.bf16)
+    seams, step_fn = applied_from_outside(policy, ref, tokenizer, configs, device)
     n_params = sum(p.numel() for p in policy.parameters()) / 1e6
     tqdm.write(f"model: {model_name} ({n_params:.2f} M parameters) on {device}; data: {tcfg.data} "
                f"({len(task.train)} train, {len(task.test)} held out); out: {out}")
@@ -404,7 +419,7 @@ def setup(configs: list) -> Run:
     order = (random.Random(tcfg.seed).sample(range(len(task.train)), len(task.train))
              if task.shuffle else list(range(len(task.train))))
     return Run(tcfg, gcfg, mcfg, task, policy, tokenizer, ref, optimizer, state, out, log, seams,
-               step_fn, autocast, device, order)
+               step_fn, device, order)
 
 
 def train(run: Run):
@@ -412,7 +427,7 @@ def train(run: Run):
     a batch of rows, one step, its logs; an evaluation every --eval-every steps, a checkpoint
     every --save-every."""
     from tqdm.auto import tqdm
-    tcfg, gcfg, mcfg, state = run.tcfg, run.gcfg, run.mcfg, run.state
+    tcfg, gcfg, state = run.tcfg, run.gcfg, run.state
     run.t_start = time.perf_counter() - state["wall_seconds"]
     if not state["evals"]:
         state["evals"].append((0, run.evaluate("eval before")))
@@ -421,11 +436,7 @@ def train(run: Run):
     bar = tqdm(range(state["step"] + 1, tcfg.steps + 1), desc="GRPO", unit="step",
                initial=state["step"], total=tcfg.steps)
     for step in bar:
-        prompts, columns = run.prompts_of(run.rows_of_step(step))
-        with run.autocast, memory.offloaded(mcfg.offload_activations):
-            m = run.step_fn(run.policy, run.ref, run.optimizer, run.tokenizer, prompts,
-                            run.task.reward_funcs, gcfg, columns=columns, return_samples=True,
-                            more_prompts=run.more_prompts, seams=run.seams)
+        m = run.step(step)
         samples, m = m.pop("samples"), {"step": step, **m}  # NOTE: left to right: no samples in m
         run.log.step(bar, m, samples, tcfg.steps, tcfg.sample_every, gcfg.group_size)
         if tcfg.eval_every and step % tcfg.eval_every == 0 and step < tcfg.steps:

@@ -144,7 +144,7 @@ def lora_step(device: str, config_path: str, group_size: int, prompts: int, n_to
     from transformers import AutoConfig, AutoModelForCausalLM
     from machinery import engine
     import grpo
-    from machinery import lora
+    from machinery import lora, precision
     from recipe import planner
     import rewards
     from recipe import tiny_world
@@ -172,10 +172,10 @@ def lora_step(device: str, config_path: str, group_size: int, prompts: int, n_to
     opt = grpo.make_optimizer(policy, cfg)
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(device)
-    with torch.autocast(device.split(":")[0], dtype=torch.bfloat16):
-        m = grpo.grpo_step(policy, lora.AdaptersOff(policy), opt, tok,
-                           [r["prompt"] for r in rows], [rewards.correctness_reward], cfg,
-                           columns={"answer": [r["answer"] for r in rows]}, seams=seams)
+    seams = precision.autocast_seams(seams, device.split(":")[0])  # AMP, as train_gsm8k.py --bf16
+    m = grpo.grpo_step(policy, lora.AdaptersOff(policy), opt, tok,
+                       [r["prompt"] for r in rows], [rewards.correctness_reward], cfg,
+                       columns={"answer": [r["answer"] for r in rows]}, seams=seams)
     sync(device)
     prompt_tokens = planner.prompt_tokens_of(tok, [r["prompt"] for r in rows])
     settings = planner.settings_of(cfg, prompt_tokens, prompts_per_step=prompts, bf16=True,

@@ -216,7 +216,7 @@ def run_ours(a) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from machinery import engine
     import grpo
-    from machinery import memory
+    from machinery import memory, precision
     import rewards
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -236,18 +236,18 @@ def run_ours(a) -> dict:
         memory.return_freed_memory()
     opt = grpo.make_optimizer(policy, cfg)
     rows = rows_for(a.steps * a.prompts)
-    # WHY: fp32 weights with bf16 autocast, as train_gsm8k.py --bf16 and TRL's bf16=True both do.
-    autocast = torch.autocast(device_type=a.device.split(":")[0], dtype=torch.bfloat16,
-                              enabled=a.bf16)
+    # WHY: fp32 weights with bf16 autocast around each forward pass, backward outside it, as
+    #      train_gsm8k.py --bf16 and TRL's bf16=True (accelerate's autocast forward) both do.
+    if a.bf16:
+        seams = precision.autocast_seams(seams, a.device.split(":")[0])
     times, first_call = [], record_first_call(policy)
     for step in range(a.steps):
         batch = rows[step * a.prompts:(step + 1) * a.prompts]
         sync(a.device)
         t = time.perf_counter()
-        with autocast:
-            grpo.grpo_step(policy, ref, opt, tok, [r["prompt"] for r in batch],
-                           [rewards.correctness_reward], cfg,
-                           columns={"answer": [r["answer"] for r in batch]}, seams=seams)
+        grpo.grpo_step(policy, ref, opt, tok, [r["prompt"] for r in batch],
+                       [rewards.correctness_reward], cfg,
+                       columns={"answer": [r["answer"] for r in batch]}, seams=seams)
         sync(a.device)
         times.append(time.perf_counter() - t)
     return {"step_times": times, **peaks(a.device),

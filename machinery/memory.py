@@ -177,6 +177,14 @@ class _LinearLogp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, _):
+        # WHY: this backward computes in the dtype its forward did (ctx.dt), whatever autocast
+        #      says: a bf16 recompute against the forward's fp32 logsumexp is no softmax at all.
+        with torch.autocast(grad_logp.device.type, enabled=False):
+            return _LinearLogp.backward_in(ctx, grad_logp)
+
+    @staticmethod
+    def backward_in(ctx, grad_logp):
+        """backward's body, outside autocast: the gradients of h and the weight."""
         h, weight, ids, lse = ctx.saved_tensors
         w = weight.to(ctx.dt)                                                         # (V, H)
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None             # (N, H)
@@ -300,6 +308,13 @@ class _SwiGLUDown(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # WHY: as _LinearLogp's, in its forward's dtype (ctx.dt) whatever autocast says
+        with torch.autocast(grad.device.type, enabled=False):
+            return _SwiGLUDown.backward_in(ctx, grad)
+
+    @staticmethod
+    def backward_in(ctx, grad):
+        """backward's body, outside autocast: the gradients of g, u and the weight."""
         g, u, weight = ctx.saved_tensors
         w, grad = weight.to(ctx.dt), grad.to(ctx.dt)                         # (h, i), (..., h)
         s = torch.sigmoid(g)                                                          # (..., i)

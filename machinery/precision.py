@@ -1,9 +1,21 @@
 """
-precision.py -- bf16 autocast that computes what fp32 computes where it matters: π_ref against the
-policy, and the sampler against the trainer.
+precision.py -- bf16 autocast as PyTorch's AMP recipe runs it, computing what fp32 computes where it
+matters: π_ref against the policy, and the sampler against the trainer.
 
     policy = fp32_logits(policy)                            # the output layer in fp32, always
     ref = bf16_reference(grpo.make_reference(policy))   # Linear weights in bf16, same numbers
+    seams = autocast_seams(seams, "cuda")     # each forward under autocast, each backward not
+
+AMP's recipe is: every forward pass under autocast, every backward pass outside it. A step run
+whole inside one autocast region breaks it twice (train_gsm8k.py --bf16 did, until this file):
+  - backward runs under autocast too, so a part that turned autocast off to compute in fp32 (the
+    fp32 output layer below; memory.py's chunked scorer) gets bf16 products in its backward: one
+    step's gradient norm on a small Llama was 3.09746 against AMP's 3.10189;
+  - autocast keeps the bf16 copy of each fp32 weight until its region ends, so at μ > 1 updates 2..μ
+    scored the weights from before update 1: the ratio stayed exactly 1 and the clip never bound.
+autocast_seams gives the sampler and the scorer a region each, so backward (grpo.py's update) runs
+outside every region and each forward casts the weights as they are now. tests/test_precision.py
+checks both against AMP's own gradient and against fp32's clipping.
 
 Under bf16 autocast (train_gsm8k.py --bf16) a real model showed two faults at step 1, where the
 policy, π_ref and the sampler are all the same model (SmolLM2-135M-Instruct; docs/real_model.md,
@@ -20,10 +32,47 @@ tests/test_precision.py checks both on small models.
 
 from __future__ import annotations
 
+import functools
+import types
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
+import grpo
 from machinery.engine import base_model
+
+
+def under_autocast(fn, device_type: str):
+    """`fn`, run inside a bf16 autocast region of its own: what it computes is autocast's, and
+    autocast's cached bf16 copies of the weights are dropped when it returns (the region ends).
+    NOTE: a backward pass run later, on what `fn` returned, runs outside autocast: AMP's recipe."""
+    @functools.wraps(fn)
+    def autocast_fn(*args, **kwargs):
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            return fn(*args, **kwargs)
+    return autocast_fn
+
+
+def autocast_seams(seams: grpo.Seams, device_type: str) -> grpo.Seams:
+    """`seams` whose sampler and scorer (grpo.py's own, grpo.decode and grpo.token_logprobs, where
+    a seam is empty) each run under bf16 autocast in a region of their own (under_autocast). The
+    update seam is left as it is: backward and AdamW's step run outside autocast, in fp32.
+    WHY not one region around the whole step: see this file's docstring (backward under autocast,
+    and stale weights at μ > 1)."""
+    return replace(seams, sample=under_autocast(seams.sample or grpo.decode, device_type),
+                   score=under_autocast(seams.score or grpo.token_logprobs, device_type))
+
+
+def autocast_forward(module, device_type: str):
+    """`module` whose forward runs under bf16 autocast in a region of its own, in place; for a
+    model that no seam scores (PPO's value model in compare/ppo.py). Returns the module.
+    NOTE: set on the instance as a bound method, so a deep copy calls its own forward."""
+    def forward(self, *args, **kwargs):
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            return type(self).forward(self, *args, **kwargs)
+    module.forward = types.MethodType(forward, module)
+    return module
 
 
 class FP32Logits(torch.nn.Linear):

@@ -120,10 +120,13 @@ def load_checkpoint(ckpt: Path, device: str, cfg: grpo.GRPOConfig, base=None):
     policy = grpo.disable_dropout(policy).to(device)
     optimizer = grpo.make_optimizer(policy, cfg)
     trainer = load_trainer_state(ckpt / "trainer_state.pt")
-    optimizer.load_state_dict(trainer["optimizer"])
+    optimizer.load_state_dict(trainer["optimizer"])  # NOTE: moves AdamW's state to the weights'
     torch.set_rng_state(trainer["torch_rng"])
-    if trainer["cuda_rng"]:
-        torch.cuda.set_rng_state_all(trainer["cuda_rng"])
+    # WHY: a run saved on a GPU may resume on a CPU (--device may change), where CUDA's RNG plays
+    #      no part; and on fewer GPUs, each the state it had.
+    if device.startswith("cuda") and torch.cuda.is_available():
+        for i, rng in enumerate(trainer["cuda_rng"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(rng, i)
     random.setstate(trainer["python_rng"])
     return policy, optimizer, json.loads((ckpt / "state.json").read_text())
 
@@ -134,7 +137,9 @@ def load_trainer_state(path: Path) -> dict:
     from someone else would run their code; a file that needs more is refused, in one line."""
     import pickle
     try:
-        return torch.load(path, weights_only=True)
+        # WHY map_location: tensors saved on a GPU load on a machine without one; AdamW's state
+        #      then goes to the weights' device (load_state_dict), and RNG states live on the CPU.
+        return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
         # NOTE: torch's message is a page; its "WeightsUnpickler error" line names what it met
         why = next((line.split("error: ")[-1].split(". ")[0][:160] for line in str(e).splitlines()

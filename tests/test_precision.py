@@ -75,3 +75,189 @@ def test_fp32_logits_are_fp32_in_every_scorer_and_in_the_copy(arch):
     assert (plain_shared - scores[1])[mask].abs().max() > 1e-4
     torch.testing.assert_close(scores[1][mask], scores[0][mask], atol=2e-2, rtol=0)
     assert type(copy.deepcopy(policy).get_output_embeddings()) is precision.FP32Logits
+
+
+# ----------------------------------------------------------------------------------------------
+# --bf16 as the loop runs it (train_gsm8k.Run.step) against AMP's recipe
+# ----------------------------------------------------------------------------------------------
+REWARD = '''def reward(prompts, completions, **columns):
+    """A reward with a spread in every group: the completion's length mod 3."""
+    return [float(len(c) % 3) for c in completions]
+'''
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    """(untied model folder, tied model folder, data folder, reward FILE:NAME): tiny Llamas with a
+    2,000-entry vocabulary and a confident output layer (its weights x 8: the sampled tokens are
+    likely ones, where bf16's rounding of the logits counts most), tiny-world rows, and a reward
+    whose groups always differ."""
+    import json
+    root = tmp_path_factory.mktemp("bf16_task")
+    tok = tiny_world.char_tokenizer()
+    for name, tied in (("untied", False), ("tied", True)):
+        model = tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, vocab=2000, seed=0)
+        if not tied:
+            model.config.tie_word_embeddings = False
+            model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+        with torch.no_grad():
+            model.lm_head.weight.mul_(8.0)
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    for split in ("train", "test"):
+        rows = tiny_world.make_problems(8, split, seed=0)
+        (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "spread.py").write_text(REWARD)
+    return root
+
+
+def bf16_run(task_dir, out, *flags, model="untied"):
+    """A train_gsm8k.Run set up as the command line sets it up: --bf16, 2 prompts x 4 completions
+    of up to 12 tokens, no gradient clipping (so a step's gradient is the loss's own)."""
+    import train_gsm8k
+    argv = ["--preset", "tiny", "--model", str(task_dir / model), "--data", str(task_dir),
+            "--reward", f"{task_dir / 'spread.py'}:reward", "--steps", "4",
+            "--prompts-per-step", "2", "--group-size", "4", "--max-new-tokens", "12",
+            "--eval-size", "2", "--threads", "1", "--max-grad-norm", "1e9", "--lr", "1e-3",
+            "--save-every", "0", "--bf16", "--out", str(out), *flags]
+    return train_gsm8k.setup(train_gsm8k.parse_args(argv))
+
+
+def amp_gradient(policy, batch, logp_old, logp_ref, cfg, seams) -> dict:
+    """PyTorch's AMP recipe, written out for grpo.policy_update's first update: each
+    micro-batch's forward (its scorer and loss) under bf16 autocast, its backward outside it.
+    Returns {parameter name: gradient}; the policy's gradients are left at None."""
+    score = seams.score or grpo.token_logprobs
+    weights, _ = grpo.micro_batch_weights(batch["completion_mask"], cfg.micro_batch_size,
+                                          cfg.loss_type)
+    for k, (s, rows) in enumerate(grpo.micro_batches(batch, cfg.micro_batch_size)):
+        with torch.autocast(**AUTOCAST):
+            logp = score(policy, *rows, cfg.temperature)
+            loss, _ = grpo.micro_batch_loss(logp, batch, s, logp_old, logp_ref, cfg)
+        with torch.autocast("cpu", enabled=False):
+            (loss * weights[k]).backward()
+    grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+    policy.zero_grad(set_to_none=True)
+    return grads
+
+
+LR_MU2 = "1e-3"
+SWITCHES = {
+    "plain scorer": ["--logprob-chunk", "0", "--no-share-prompts"],
+    "shared prompts": ["--logprob-chunk", "0"],
+    "chunked": ["--logprob-chunk", "5"],
+    "chunked, tied embeddings": ["--logprob-chunk", "5"],
+    "lean activations": ["--logprob-chunk", "0", "--lean-activations"],
+    "AdamW inside backward": ["--logprob-chunk", "5", "--update-in-backward"],
+    "--plain": ["--plain"],
+}
+
+
+@pytest.mark.parametrize("switch", list(SWITCHES))
+def test_a_bf16_step_as_the_loop_runs_it_has_amps_gradient(task_dir, tmp_path, monkeypatch,
+                                                            switch):
+    """The gradient a --bf16 step takes (train_gsm8k.Run.step, with the run's own seams) equals
+    AMP's, written out by hand on the same batch at the same weights: forward under autocast,
+    backward outside it. The bug it catches: the loop ran the whole step inside one autocast
+    region, so backward ran under autocast too, and the fp32 output layer's backward (autograd's,
+    or the chunked scorer's written-out one, which then exponentiated bf16 logits against an fp32
+    logsumexp) computed in bf16: 1e-3 to 1e-2 off here. (--plain keeps the bf16 head, whose
+    backward autocast does not change: that case holds either way.)"""
+    tied = "tied" in switch
+    run = bf16_run(task_dir, tmp_path / "run", *SWITCHES[switch],
+                   model="tied" if tied else "untied")
+    want, real_update = {}, grpo.policy_update
+
+    def policy_update(policy, optimizer, batch, logp_old, logp_ref, cfg, seams):
+        want.update(amp_gradient(policy, batch, logp_old, logp_ref, cfg, seams))
+        return real_update(policy, optimizer, batch, logp_old, logp_ref, cfg, seams)
+
+    got = {}
+    names = {id(p): n for n, p in run.policy.named_parameters()}
+    run.optimizer.register_step_pre_hook(lambda opt, args, kwargs: got.update(
+        {names[id(p)]: p.grad.clone() for g in opt.param_groups for p in g["params"]
+         if p.grad is not None}))
+    monkeypatch.setattr(grpo, "policy_update", policy_update)
+    run.step(1)
+    assert want and set(got) == set(want)
+    errors = {n: ((got[n] - g).norm() / g.norm().clamp(min=1e-30)).item() for n, g in want.items()}
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    assert want[head].norm() > 0
+    assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_at_mu_2_under_bf16_the_second_update_scores_the_moved_weights(task_dir, tmp_path):
+    """μ = 2 under --bf16: update 2 scores π_θ as update 1 left it. Its log-probs (taken as the
+    loop takes them) equal a fresh bf16 forward of a copy of the policy made at that moment, and
+    differ from update 1's; over 4 steps the clip binds on some tokens, as in the same run in
+    fp32. The bug it catches: one autocast region around the whole step kept autocast's bf16
+    copies of the weights from before update 1, so update 2 scored every Linear layer's old
+    weights (only the fp32 output layer moved)."""
+    clipped = {}
+    for precision_flag in ("--bf16", "--no-bf16"):
+        run = bf16_run(task_dir, tmp_path / precision_flag, "--num-iterations", "2",
+                       "--lr", LR_MU2, precision_flag)
+        scored, score = [], run.seams.score or grpo.token_logprobs
+
+        def recording(model, *args, score=score, scored=scored):
+            out = score(model, *args)
+            if torch.is_grad_enabled():  # π_θ's, in an update; not π_old's or π_ref's
+                scored.append((out[0].detach(), copy.deepcopy(model), args))
+            return out
+
+        run.seams.score = recording
+        metrics = [run.step(step) for step in range(1, 5)]
+        assert len(scored) == 8  # 4 steps x μ = 2 updates x one micro-batch
+        for logp, then, args in scored:
+            with torch.no_grad(), torch.autocast(**AUTOCAST, enabled=precision_flag == "--bf16"):
+                fresh = score(then, *args)[0]
+            assert torch.equal(logp, fresh)
+        assert not torch.equal(scored[0][0], scored[1][0])
+        clipped[precision_flag] = sum(m["clip_ratio/region"] for m in metrics)
+    assert clipped["--no-bf16"] > 0 and clipped["--bf16"] > 0, clipped
+
+
+def saved_as_on_a_gpu(obj, path, monkeypatch):
+    """torch.save(obj, path) with every storage recorded as on 'cuda:0', as a GPU run saves its
+    AdamW state: loading it with no map_location on a machine without CUDA fails."""
+    from torch import serialization
+    with monkeypatch.context() as m:
+        m.setattr(serialization, "_package_registry",
+                  [(0, lambda storage: "cuda:0", None), *serialization._package_registry])
+        torch.save(obj, path)
+
+
+def precision_of(model) -> list[tuple]:
+    """Every module's type and every parameter's dtype, in order."""
+    return ([type(m).__name__ for m in model.modules()]
+            + [str(p.dtype) for p in model.parameters()])
+
+
+def test_a_resumed_bf16_run_has_an_unbroken_runs_precision_and_resumes_a_gpu_checkpoint(
+        task_dir, tmp_path, monkeypatch):
+    """A --bf16 run checkpointed at step 2, whose trainer_state.pt is made as a GPU run makes it
+    (CUDA RNG state, AdamW's tensors saved on 'cuda:0'), resumes on this CPU; the resumed policy
+    and π_ref have the unbroken run's module types and dtypes at step 2: the fp32 output layer
+    (FP32Logits), π_ref's bf16 Linear weights. The bugs it catches: the checkpoint's model came
+    back with a plain bf16-computing output layer while π_ref kept the fp32 one; torch.load
+    without map_location, and CUDA's RNG set on a machine without CUDA."""
+    import train_gsm8k
+    out = tmp_path / "run"
+    unbroken = bf16_run(task_dir, out, "--steps", "2", "--save-every", "1", "--eval-size", "1")
+    train_gsm8k.train(unbroken)
+    state_file = out / "checkpoint-000002" / "trainer_state.pt"
+    trainer = torch.load(state_file, weights_only=True)
+    assert trainer["optimizer"]["state"]  # AdamW's moments: tensors to load on another device
+    trainer["cuda_rng"] = [torch.get_rng_state()]
+    saved_as_on_a_gpu(trainer, state_file, monkeypatch)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        torch.load(state_file, weights_only=True)
+    resumed = train_gsm8k.setup(train_gsm8k.parse_args(["--resume", str(out), "--steps", "3"]))
+    assert resumed.state["step"] == 2
+    assert type(resumed.policy.get_output_embeddings()) is precision.FP32Logits
+    assert precision_of(resumed.policy) == precision_of(unbroken.policy)
+    assert precision_of(resumed.ref) == precision_of(unbroken.ref)
+    assert "torch.bfloat16" in precision_of(resumed.ref)
+    for a, b in zip(resumed.optimizer.state.values(), unbroken.optimizer.state.values()):
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and a["exp_avg"].device.type == "cpu"
+    resumed.step(3)  # and it trains on
