@@ -4,6 +4,7 @@ benchmarks/gpu_check.py -- the decoding checks of benchmarks/gpu_check.sh, one J
     python benchmarks/gpu_check.py machine --device cuda   # GPU, torch, transformers, CUDA
     python benchmarks/gpu_check.py tokens --device cuda    # compiled = reference tokens there?
     python benchmarks/gpu_check.py speed --device cuda --arch qwen2.5-0.5b --bf16   # ms a token
+    python benchmarks/gpu_check.py bf16-sampling --device cuda   # bf16 decode: casts once?
     python benchmarks/gpu_check.py lora-step --device cuda    # 7B + LoRA step, against the plan
     python benchmarks/gpu_check.py real-model --device cuda   # the SmolLM2 preset, against the plan
 
@@ -16,6 +17,8 @@ speed: G completions of --tokens forced tokens for --prompts prompts (random wei
     architecture, or a Llama of --hidden x --layers), engine.decode against
     engine.decode_compiled, median of --repeats after one warm-up call each; compile seconds from
     dynamo's timers (engine.compile_seconds).
+bf16-sampling: engine.decode under bf16 autocast in inference_mode (every weight cast again at
+    every token) against engine.sampling_mode (cast once a decode): identical tokens, ms a token.
 lora-step: one GRPO + LoRA step in bf16 at the paper's 7B architecture (random weights), its
     peak GPU memory against planner.py's prediction.
 real-model: train_gsm8k.py's smollm2-135m preset for a few steps, its seconds and peak GPU memory
@@ -132,6 +135,48 @@ def speed(device: str, arch: str, bf16: bool, group_size: int, prompts: int, n_t
     return res
 
 
+def bf16_sampling(device: str, arch: str, group_size: int, prompts: int, n_tokens: int,
+                  repeats: int, hidden: int = 64, layers: int = 2) -> dict:
+    """engine.decode under bf16 autocast (as precision.autocast_seams runs it), two ways: in
+    torch.inference_mode, where autocast casts every fp32 weight to bf16 again at every token,
+    and in engine.sampling_mode (no_grad under autocast), where it casts each once a decode. The
+    same seed: whether the tokens are identical, and ms a token each (median of --repeats after
+    a warm-up call)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from machinery import engine, precision
+    import grpo
+    with tempfile.TemporaryDirectory() as tmp:
+        n_params = build_model(Path(tmp), hidden, layers, 4, arch)
+        tok = AutoTokenizer.from_pretrained(tmp)
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(device).eval()
+    texts = [r["prompt"] for r in rows_for(prompts)]
+    cfg = grpo.GRPOConfig(group_size=group_size, max_new_tokens=n_tokens)
+    sample = precision.under_autocast(sampler_of("engine", model, tok, n_tokens),
+                                      device.split(":")[0])
+    res = {"check": "bf16-sampling", "arch": arch, "parameters": n_params, "device": device,
+           "work": f"G={group_size} x {prompts} prompts, {n_tokens} forced tokens"}
+    tokens, real_mode = {}, engine.sampling_mode
+    for name, mode in (("inference_mode", lambda device_type: torch.inference_mode()),
+                       ("sampling_mode", real_mode)):
+        engine.sampling_mode, times = mode, []
+        try:
+            for _ in range(repeats + 1):
+                torch_seed(0, device)
+                sync(device)
+                t = time.perf_counter()
+                out = grpo.sample_completions(model, tok, texts, cfg, sample=sample)
+                sync(device)
+                times.append(time.perf_counter() - t)
+        finally:
+            engine.sampling_mode = real_mode
+        tokens[name] = out["completion_ids"]
+        res[f"{name}_ms_per_token"] = 1000 * statistics.median(times[1:]) / n_tokens
+    res["identical_tokens"] = bool(torch.equal(tokens["inference_mode"], tokens["sampling_mode"]))
+    res["speedup"] = res["inference_mode_ms_per_token"] / res["sampling_mode_ms_per_token"]
+    return res
+
+
 def lora_step(device: str, config_path: str, group_size: int, prompts: int, n_tokens: int,
               shrink: bool = False) -> dict:
     """One GRPO + LoRA step (r 16, all linear layers) in bf16 on a random model of the config's
@@ -236,7 +281,8 @@ def real_model(device: str, steps: int, out: str, flags: list[str]) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-    p.add_argument("check", choices=["machine", "tokens", "speed", "lora-step", "real-model"])
+    p.add_argument("check", choices=["machine", "tokens", "speed", "bf16-sampling", "lora-step",
+                                     "real-model"])
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--arch", choices=ARCHS, default="qwen2.5-0.5b",
                    help="speed: Qwen2.5-0.5B's architecture (default), SmolLM2-135M's, "
@@ -265,6 +311,9 @@ def main(argv=None):
         rows = [machine(a.device)]
     elif a.check == "tokens":
         rows = tokens(a.device)
+    elif a.check == "bf16-sampling":
+        rows = [bf16_sampling(a.device, a.arch, a.group_size, a.prompts, a.tokens, a.repeats,
+                              a.hidden, a.layers)]
     elif a.check == "lora-step":
         rows = [lora_step(a.device, a.config, a.group_size, a.prompts, a.tokens, a.shrink)]
     elif a.check == "real-model":  # NOTE: flags it does not know go to train_gsm8k.py

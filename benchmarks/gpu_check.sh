@@ -2,7 +2,7 @@
 # benchmarks/gpu_check.sh -- every check that needs a GPU, as one command (about 8 minutes on one).
 #
 #   bash benchmarks/gpu_check.sh              # on a machine with a CUDA GPU
-#   bash benchmarks/gpu_check.sh --dry-run    # the same eight steps on this CPU at toy sizes
+#   bash benchmarks/gpu_check.sh --dry-run    # the same steps on this CPU at toy sizes
 #
 # Steps (each under its own time limit, so one slow step does not cost the others; every JSON line
 # they print is collected in $OUT/gpu_check.jsonl, default OUT=runs/gpu_check, and all of them in
@@ -11,7 +11,9 @@
 #   2. compiled decoding (CUDA graphs) against grpo.py's own sampler, token for token, on tiny
 #      Llama and Qwen2 models in fp32, and whether it fell back;
 #   3. decoding speed at Qwen2.5-0.5B's architecture in bf16: engine.decode against
-#      engine.decode_compiled, ms per token, and the compile seconds;
+#      engine.decode_compiled, ms per token, and the compile seconds; 3b. bf16 sampling in
+#      inference_mode (every weight cast at every token) against engine.sampling_mode (cast once),
+#      ms per token and whether the tokens are identical;
 #   4. train_gsm8k.py's Qwen preset end to end (bf16, fused AdamW, gradient checkpointing,
 #      --compile on) for 3 steps on a random Qwen2.5-0.5B-architecture model and tiny-world data,
 #      with its peak GPU memory;
@@ -44,6 +46,7 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 if [ "$DRY" = 1 ]; then
     DEV=cpu ARCH=llama LIMIT=300
     SPEED=(--group-size 2 --prompts 2 --tokens 8 --repeats 2)
+    SAMPLING=(--group-size 2 --prompts 2 --tokens 8 --repeats 1)
     TRAIN=(--steps 2 --eval-size 4 --prompts-per-step 2 --group-size 2 --max-new-tokens 8)
     TRL=(--steps 3 --warmup 1 --rounds 1 --tokens 4)
     LORA=(--shrink --group-size 4 --prompts 2 --tokens 8)
@@ -54,6 +57,7 @@ if [ "$DRY" = 1 ]; then
 else
     DEV=cuda ARCH=qwen2.5-0.5b LIMIT=240
     SPEED=(--bf16 --group-size 8 --prompts 4 --tokens 128 --repeats 3)
+    SAMPLING=(--group-size 8 --prompts 8 --tokens 128 --repeats 2)
     TRAIN=(--steps 3 --eval-size 32 --prompts-per-step 4 --group-size 8 --max-new-tokens 128)
     TRL=(--bf16 --group-size 8 --prompts 2 --tokens 512 --steps 3 --warmup 1 --rounds 1)
     LORA=(--group-size 8 --prompts 2 --tokens 256)
@@ -79,6 +83,8 @@ step() {  # step NAME COMMAND...: run it under the time limit, keep its log and 
 step 1-machine "$PY" benchmarks/gpu_check.py machine --device "$DEV"
 step 2-tokens "$PY" benchmarks/gpu_check.py tokens --device "$DEV"
 step 3-speed "$PY" benchmarks/gpu_check.py speed --device "$DEV" --arch "$ARCH" "${SPEED[@]}"
+step 3b-bf16-sampling "$PY" benchmarks/gpu_check.py bf16-sampling --device "$DEV" --arch "$ARCH" \
+    "${SAMPLING[@]}"
 "$PY" -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
 from vs_trl import build_model; build_model(Path('$OUT/model'), 64, 2, 4, '$ARCH')"
 step 4-qwen-preset "$PY" -c "import json, sys, train_gsm8k, torch; \

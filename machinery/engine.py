@@ -176,7 +176,8 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_siz
     # WHY (speed): inference_mode skips autograd's bookkeeping (version counters, views) on every
     #      op, which counts when a small model's time is per-op overhead. Its tensors cannot be
     #      saved for backward, so the ids are stacked after the block, as ordinary tensors.
-    with torch.inference_mode():
+    #      Under autocast, no_grad instead (sampling_mode).
+    with sampling_mode(prompt_ids.device.type):
         empty = in_place_cache(model, prompt_ids.shape[1] + T)
         out, logits, prompt_mask, next_position = prefill(model, prompt_ids, prompt_mask, G,
                                                           empty)
@@ -203,6 +204,22 @@ def decode(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_siz
 
         tokens, logps = draw_loop(pick, logits, T, step)
     return torch.stack(tokens, dim=1), torch.stack(logps, dim=1)                 # (N, T) x2
+
+
+def sampling_mode(device_type: str):
+    """The no-gradient mode decode() samples in: torch.inference_mode, or torch.no_grad under
+    autocast. WHY: inside inference_mode autocast keeps no bf16 copy of a weight, so every decoded
+    token would cast every fp32 Linear weight to bf16 again; under no_grad it casts each once for
+    the whole decode (the autocast region precision.autocast_seams opens around it ends with it,
+    and its copies with it). The same casts, so the same tokens (tests/test_precision.py). On the
+    2-core AMD EPYC CPU (gpu_check.py bf16-sampling, benchmarks/results/bf16/) a decoded token
+    took 140 against 168 ms at SmolLM2-135M's architecture (G=8 x 4), 194 against 300 at
+    Qwen2.5-0.5B's; at the tiny world's 0.14 M parameters, 5.6 against 5.4 (autograd's
+    bookkeeping, which inference_mode skips, costs more there than the casts).
+    NOTE: the copies cost 2 bytes a Linear weight while sampling: planner.py's "autocast copies"."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.no_grad()
+    return torch.inference_mode()
 
 
 def prefill(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, G: int, cache=None):
