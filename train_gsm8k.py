@@ -296,6 +296,12 @@ class Run:
                                 return_samples=True, more_prompts=self.more_prompts,
                                 seams=self.seams)
 
+    def sampler(self) -> dict:
+        """Which decode loop samples, and why compiled decoding fell back if it did
+        (engine.sampler_used): grpo.decode's under --plain."""
+        configured = "plain" if self.tcfg.plain else self.state["engine_config"]["sampler"]
+        return engine.sampler_used(self.policy, configured)
+
     def prompts_of(self, rows: list[dict]) -> tuple[list, dict]:
         """(prompt texts, columns) of `rows`, as grpo_step takes them."""
         return tasks.prompts_and_columns(self.tokenizer, rows, self.tcfg.system_prompt)
@@ -412,8 +418,10 @@ def setup(configs: list) -> Run:
                         grpo.reward_name(task.score_func))
     seams, step_fn = applied_from_outside(policy, ref, tokenizer, configs, device)
     n_params = sum(p.numel() for p in policy.parameters()) / 1e6
+    sampler = engine.sampler_used(policy, "plain" if tcfg.plain else ecfg.sampler)
     tqdm.write(f"model: {model_name} ({n_params:.2f} M parameters) on {device}; data: {tcfg.data} "
-               f"({len(task.train)} train, {len(task.test)} held out); out: {out}")
+               f"({len(task.train)} train, {len(task.test)} held out); out: {out}; "
+               f"sampler: {engine.sampler_line(sampler)}")
     # WHY: generated rows (the tiny world's) come in random order; keeping it means a run resumed
     #      with more --steps sees the same rows first. A file's rows are shuffled.
     order = (random.Random(tcfg.seed).sample(range(len(task.train)), len(task.train))
@@ -433,12 +441,15 @@ def train(run: Run):
         state["evals"].append((0, run.evaluate("eval before")))
         tqdm.write(f"held-out score before GRPO: {state['evals'][0][1]:.3f} "
                    f"on {len(run.task.test)} rows")
-    bar = tqdm(range(state["step"] + 1, tcfg.steps + 1), desc="GRPO", unit="step",
-               initial=state["step"], total=tcfg.steps)
+    first = state["step"] + 1  # this process's first step (a resumed run's is later)
+    bar = tqdm(range(first, tcfg.steps + 1), desc="GRPO", unit="step", initial=state["step"],
+               total=tcfg.steps)
     for step in bar:
         m = run.step(step)
         samples, m = m.pop("samples"), {"step": step, **m}  # NOTE: left to right: no samples in m
         run.log.step(bar, m, samples, tcfg.steps, tcfg.sample_every, gcfg.group_size)
+        if step == first:  # WHY: compiled decoding may fall back at its first token
+            bar.write(f"sampler in step {step}: {engine.sampler_line(run.sampler())}")
         if tcfg.eval_every and step % tcfg.eval_every == 0 and step < tcfg.steps:
             score = run.evaluate("eval", run.task.test[:tcfg.eval_batch_size])
             state["evals"].append((step, score))
@@ -472,6 +483,7 @@ def finish(run: Run, t_command: float) -> dict:
                "model": state["model"], "data": tcfg.data, "eval_size": n_eval,
                "score": grpo.reward_name(run.task.score_func),   # what accuracy_* average
                "device": run.device, "torch_threads": torch.get_num_threads(),
+               "sampler": run.sampler(),  # which decode loop ran: compiled, or eager and why
                "evals": state["evals"], "skipped_updates": state["skipped_updates"],
                "command_seconds": time.perf_counter() - t_command,  # this process (since resuming)
                "peak_gpu_mb": (torch.cuda.max_memory_allocated() / 2**20   # every tensor on it

@@ -336,11 +336,31 @@ _warned = set()                        # reasons for falling back, each printed 
 _failed = weakref.WeakKeyDictionary()  # model -> why compiling it failed: not tried again
 
 
+@functools.cache
+def static_cache_api_blocker() -> str | None:
+    """Why this transformers' StaticCache is not the one _decode_compiled writes into, or None.
+    WHY: it fills the cache's layers by hand, through two internals (lazy_initialization(keys,
+    values) and the cumulative_length counter); a version where they differ would fail at the
+    first token, 10 to 20 times slower a token from then on, so it is named when the run starts."""
+    import transformers
+    from transformers.cache_utils import StaticLayer
+    init = getattr(StaticLayer, "lazy_initialization", None)
+    params = list(inspect.signature(init).parameters)[1:] if init else []
+    if params != ["key_states", "value_states"]:
+        return (f"transformers {transformers.__version__}'s StaticLayer.lazy_initialization takes "
+                f"{params}, not (key_states, value_states)")
+    if "cumulative_length" not in inspect.getsource(StaticLayer):
+        return f"transformers {transformers.__version__}'s StaticLayer keeps no cumulative_length"
+    return None
+
+
 def compile_blocker(model) -> str | None:
     """Why compiled decoding cannot run on this model, or None if it can."""
     c = model.config
     if transformers_major() < 5 or cache_kwarg(model) != "cache":
         return "it needs transformers 5's StaticCache"
+    if (api := static_cache_api_blocker()) is not None:
+        return api
     if not getattr(model, "_can_compile_fullgraph", False):
         return f"{type(model).__name__} does not declare torch.compile support"
     layer_types = getattr(c, "layer_types", None) or ["full_attention"]
@@ -406,6 +426,24 @@ def decode_compiled(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, 
         print(f"NOTE: compiled decoding is off ({reason}); using the eager KV-cache loop",
               file=sys.stderr)
     return decode(model, prompt_ids, prompt_mask, group_size, max_new_tokens, pick)
+
+
+def sampler_used(model, configured: str) -> dict:
+    """Which decode loop sampled for `model` so far: {"configured": EngineConfig.sampler,
+    "used": "compiled", "engine" (eager) or "plain", "fallback": why compiled decoding fell back
+    to the eager loop, or None}. summary.json and the run's first step line carry it."""
+    reason = (_failed.get(model) or compile_blocker(model)) if configured == "compiled" else None
+    return {"configured": configured, "used": "engine" if reason else configured,
+            "fallback": reason}
+
+
+def sampler_line(used: dict) -> str:
+    """sampler_used's dict in words: 'compiled', 'eager (engine)', 'eager (plain)', or 'eager
+    (engine): compiled decoding fell back: <why>'."""
+    if used["used"] == "compiled":
+        return "compiled"
+    why = f": compiled decoding fell back: {used['fallback']}" if used["fallback"] else ""
+    return f"eager ({used['used']}){why}"
 
 
 def _decode_compiled(model, prompt_ids, prompt_mask, group_size, max_new_tokens, pick):

@@ -104,6 +104,9 @@ def eval_parser():
                         "for a '####' line)")
     p.add_argument("--template", choices=gsm8k.TEMPLATES, default=None,
                    help="RUN. The prompt the model was trained with (plain, default, or r1)")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default=None,
+                   help="RUN. Compiled decoding (engine.decode_compiled): on, off, or auto, on "
+                        "from engine.AUTO_COMPILE_DECODE_STEPS decode steps (default auto)")
     p.add_argument("--seed", type=int, default=0, help="for the samples (0)")
     p.add_argument("--device", default="auto", help="auto (cuda if there is one), cpu, cuda")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -112,7 +115,7 @@ def eval_parser():
 
 # eval's flags that default to the run's own setting (run_settings), and their defaults otherwise
 EVAL_DEFAULTS = {"data": "openai/gsm8k", "reward": [], "limit": 0, "max_new_tokens": 512,
-                 "batch_size": 32, "system_prompt": None, "template": "plain"}
+                 "batch_size": 32, "system_prompt": None, "template": "plain", "compile": "auto"}
 
 
 def run_settings(model: str) -> dict:
@@ -129,10 +132,13 @@ def run_settings(model: str) -> dict:
         return {}
     saved = json.loads(summary.read_text())
     t, g = saved.get("train_config", {}), saved.get("grpo_config", {})
+    e = saved.get("engine_config", {})
     return {"data": t.get("data"), "reward": t.get("reward"), "limit": t.get("eval_size"),
             "max_new_tokens": g.get("max_new_tokens"), "batch_size": t.get("eval_batch_size"),
             "system_prompt": t.get("system_prompt"), "template": t.get("template"),
-            "bf16": t.get("bf16", False)}
+            "compile": e.get("compile"), "bf16": t.get("bf16", False),
+            # NOTE: the run's output layer: fp32 under --bf16 unless --no-fp32-logits or --plain
+            "fp32_logits": t.get("fp32_logits", True) and not t.get("plain", False)}
 
 
 def checked_eval_args(argv: list[str]):
@@ -143,7 +149,7 @@ def checked_eval_args(argv: list[str]):
     for name, default in EVAL_DEFAULTS.items():
         if getattr(a, name) is None:
             setattr(a, name, run[name] if run.get(name) is not None else default)
-    a.bf16 = run.get("bf16", False)
+    a.bf16, a.fp32_logits = run.get("bf16", False), run.get("fp32_logits", True)
     for name, low in [("k", 1), ("limit", 0), ("max_new_tokens", 1), ("batch_size", 1)]:
         if getattr(a, name) < low:
             raise InputError(f"--{name.replace('_', '-')} must be >= {low}, "
@@ -178,11 +184,36 @@ def sampled_scores(model, tokenizer, task, rows, cfg, a, system_prompt: str, sam
     return (maj / len(rows) if is_gsm8k else None), best / len(rows)
 
 
+def decode_steps(a, n_rows: int) -> int:
+    """The most decode steps eval takes on n_rows: a greedy pass in batches of a.batch_size, then
+    K samples each in batches of a.batch_size // K rows, each batch up to a.max_new_tokens."""
+    batches = -(-n_rows // a.batch_size) + -(-n_rows // max(1, a.batch_size // a.k))
+    return batches * a.max_new_tokens
+
+
+def eval_sampler(model, tokenizer, a, n_rows: int, device: str) -> tuple[str, object]:
+    """(the sampler's name, the decode loop) eval scores with, as the run scored itself: the
+    engine's, compiled as --compile says (auto: from the decode steps ahead, as a run decides);
+    under a --bf16 run's settings, its fp32 output layer (in place) and bf16 autocast around each
+    decode (precision.autocast_seams, as train_gsm8k.py applies them)."""
+    from machinery import engine, precision
+    ecfg = engine.EngineConfig(compile=a.compile, sampler=engine.sampler_for(
+        a.compile, "engine", decode_steps(a, n_rows)))
+    if a.bf16:
+        precision.fp32_logits(model, a.fp32_logits)
+    seams = engine.apply(ecfg, grpo.Seams(), grpo.eos_token_ids(model, tokenizer),
+                         grpo.pad_token_id(model, tokenizer))
+    if a.bf16:
+        seams = precision.autocast_seams(seams, device.split(":")[0])
+    return ecfg.sampler, seams.sample
+
+
 def eval_command(argv: list[str]) -> dict:
     """`python train_gsm8k.py eval --model M [--data D] [--reward F.py:N] [--k 8] [--limit N]`:
     greedy score, Pass@K and (GSM8K) Maj@K on D's held-out rows, with a progress bar; --json for
     one JSON line."""
     import torch
+    from machinery import engine
     a = checked_eval_args(argv)
     task = tasks.load_task(a.data, a.reward, template=a.template, eval_size=a.limit or 10**9)
     rows = task.test
@@ -192,16 +223,13 @@ def eval_command(argv: list[str]) -> dict:
     model, tokenizer = load_for_eval(a.model)
     model = grpo.disable_dropout(model).to(device).eval()
     cfg = grpo.GRPOConfig(max_new_tokens=a.max_new_tokens, temperature=a.temperature)
-    from machinery import engine  # NOTE: the fast sampler; it draws grpo.decode's tokens
-    sample = engine.apply(engine.EngineConfig(), grpo.Seams(), grpo.eos_token_ids(model, tokenizer),
-                          grpo.pad_token_id(model, tokenizer)).sample
-    # NOTE: a run trained with --bf16 scored itself under bf16 autocast; so does its eval.
-    with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=a.bf16):
-        greedy = evaluate(model, tokenizer, task.score_func, rows, cfg, system_prompt,
-                          a.batch_size, "greedy", sample)
-        torch.manual_seed(a.seed)
-        maj, best = sampled_scores(model, tokenizer, task, rows, cfg, a, system_prompt, sample)
+    sampler, sample = eval_sampler(model, tokenizer, a, len(rows), device)
+    greedy = evaluate(model, tokenizer, task.score_func, rows, cfg, system_prompt, a.batch_size,
+                      "greedy", sample)
+    torch.manual_seed(a.seed)
+    maj, best = sampled_scores(model, tokenizer, task, rows, cfg, a, system_prompt, sample)
     res = {"model": a.model, "data": a.data, "problems": len(rows), "k": a.k,
+           "sampler": engine.sampler_used(model, sampler), "bf16": a.bf16,
            "template": a.template, "temperature": a.temperature, "max_new_tokens": a.max_new_tokens,
            "score": grpo.reward_name(task.score_func), "greedy_accuracy": greedy,
            **({f"maj@{a.k}": maj} if maj is not None else {}), f"pass@{a.k}": best}

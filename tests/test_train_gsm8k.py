@@ -633,3 +633,87 @@ def test_plain_runs_grpo_py_alone_and_lands_where_the_machinery_does(tmp_path, c
     plain_samples, fast_samples = ((tmp_path / d / "samples.jsonl").read_text()
                                    for d in ("plain", "fast"))
     assert plain_samples == fast_samples and len(plain_samples.splitlines()) >= 2
+
+
+def test_eval_of_a_bf16_run_scores_with_the_runs_output_layer_and_precision(tmp_path, answering,
+                                                                            capsys, monkeypatch):
+    """`eval` of a --bf16 run's final/ (no flag but --model) samples as the run's own evaluations
+    did: the fp32 output layer (precision.FP32Logits), each forward under bf16 autocast, and so
+    gives the run's accuracy_after. The bug it catches: eval scored with a plain output layer,
+    whose logits autocast rounds to bf16, where the run's evaluations used fp32 logits."""
+    import grpo
+    from machinery import engine
+    model, data = answering
+    out, seen, real = tmp_path / "run", [], grpo.sample_completions
+
+    def recording(m, *args, **kwargs):
+        head = type(engine.base_model(m).get_output_embeddings()).__name__
+        hook = m.register_forward_pre_hook(
+            lambda mod, a: seen.append((head, torch.is_autocast_enabled("cpu"))))
+        try:
+            return real(m, *args, **kwargs)
+        finally:
+            hook.remove()
+
+    monkeypatch.setattr(grpo, "sample_completions", recording)
+    summary = train_gsm8k.main(["--model", str(model), "--data", str(data), *EVAL_FLAGS, "--bf16",
+                                "--out", str(out)])
+    in_the_run = set(seen)
+    seen.clear()
+    capsys.readouterr()
+    assert train_gsm8k.cli(["eval", "--model", str(out / "final"), "--k", "1", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert in_the_run == set(seen) == {("FP32Logits", True)}
+    assert res["bf16"] is True and res["greedy_accuracy"] == summary["accuracy_after"]
+
+
+def test_eval_decodes_compiled_as_compile_says_and_as_the_run_did(tmp_path):
+    """eval's --compile defaults to the run's (then auto); auto compiles from
+    engine.AUTO_COMPILE_DECODE_STEPS decode steps ahead, as a run decides. The bug it catches:
+    eval always decoded eagerly (GSM8K's 1,319 problems, K = 8, 512 tokens: over an hour on a
+    GPU)."""
+    from machinery import engine
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"train_config": {}, "grpo_config": {},
+                                                  "engine_config": {"compile": "on"}}))
+    a = evaluation.checked_eval_args(["--model", str(run)])
+    assert a.compile == "on"
+
+    def sampler(argv, n_rows):
+        a = evaluation.checked_eval_args(["--model", "elsewhere", *argv])
+        return engine.sampler_for(a.compile, "engine", evaluation.decode_steps(a, n_rows))
+
+    assert sampler([], 1319) == "compiled"               # (42 + 330 batches) x 512 tokens
+    assert sampler(["--k", "1", "--limit", "50"], 50) == "engine"
+    assert sampler(["--compile", "off"], 1319) == "engine"
+
+
+def test_the_sampler_that_ran_is_on_the_record(tmp_path, cache, monkeypatch, capsys):
+    """summary.json's "sampler" and the first progress lines say which decode loop sampled:
+    compiled, or eager and why compiled decoding fell back (here: it raises at its first token);
+    a transformers whose StaticCache compiled decoding cannot fill is named when the run starts.
+    The bug it catches: a fallback was one NOTE on stderr, and nothing on the record said which
+    sampler ran."""
+    from machinery import engine
+
+    def broken(*args):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(engine, "_decode_compiled", broken)
+    s = train_gsm8k.main([*TINY_FLAGS, "--compile", "on", "--out", str(tmp_path / "fell")])
+    assert s["sampler"] == {"configured": "compiled", "used": "engine",
+                            "fallback": "RuntimeError: no C++ compiler"}
+    said = capsys.readouterr().out
+    assert "sampler: compiled" in said  # at the start it could still compile
+    assert "sampler in step 1: eager (engine): compiled decoding fell back: RuntimeError" in said
+    plain = train_gsm8k.main([*TINY_FLAGS, "--plain", "--out", str(tmp_path / "plain")])
+    assert plain["sampler"] == {"configured": "plain", "used": "plain", "fallback": None}
+    monkeypatch.setattr(engine, "static_cache_api_blocker",
+                        lambda: "transformers 9.0's StaticLayer keeps no cumulative_length")
+    capsys.readouterr()
+    train_gsm8k.main([*TINY_FLAGS, "--compile", "on", "--steps", "1",
+                      "--out", str(tmp_path / "old")])
+    first = capsys.readouterr().out.splitlines()
+    start = next(line for line in first if line.startswith("model: "))
+    assert "sampler: eager (engine): compiled decoding fell back: transformers 9.0's" in start
