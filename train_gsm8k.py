@@ -329,6 +329,9 @@ def load_task(tcfg: TrainConfig, gcfg: grpo.GRPOConfig) -> tuple:
                            tcfg.eval_size, n_train, tcfg.seed)
     gcfg = dataclasses.replace(gcfg, reward_weights=gcfg.reward_weights or task.reward_weights)
     tasks.check_rewards(task, gcfg, tcfg.reward)
+    # WHY: from here on, a reward that raises is named and stops the run in one line (main)
+    task = dataclasses.replace(task, reward_funcs=[tasks.guarded(f) for f in task.reward_funcs],
+                               score_func=tasks.guarded(task.score_func))
     if tcfg.system_prompt is None:  # WHY: not given, the task's own (GSM8K's asks for '####')
         tcfg = dataclasses.replace(tcfg, system_prompt=task.system_prompt)
     return task, gcfg, tcfg
@@ -498,8 +501,17 @@ def main(argv=None) -> dict:
     """One run: setup, the loop, finishing. Returns summary.json's contents."""
     t_command = time.perf_counter()  # WHY: the whole command, warm-start build included
     run = setup(parse_args(argv))
-    train(run)
-    return finish(run, t_command)
+    try:
+        train(run)
+        return finish(run, t_command)
+    except (ValueError, TypeError) as e:
+        if not tasks.is_reward_failure(e):
+            raise
+        # WHY: nothing of the failed step was written; the last checkpoint resumes the run
+        raise checkpoint.TrainingStopped(
+            f"stopped after step {run.state['step']}: {e}; "
+            f"{checkpoint.last_checkpoint_words(run.out)} (fix the reward, then --resume "
+            f"{run.out})") from None
 
 
 def cli(argv=None) -> int:

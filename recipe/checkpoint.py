@@ -329,13 +329,18 @@ def count_bad_step(state: dict, skipped: int, max_bad_steps: int, run_dir: Path,
     state["skipped_updates"] += skipped
     state["bad_in_a_row"] = state["bad_in_a_row"] + 1 if skipped else 0
     if state["bad_in_a_row"] >= max_bad_steps:
-        kept = sorted(run_dir.glob("checkpoint-*"))
-        last = f"the last checkpoint is {kept[-1]}" if kept else "no checkpoint was written"
         raise TrainingStopped(
             f"stopped at step {step}: {state['bad_in_a_row']} steps in a row had a non-finite "
             f"loss or gradient, so their updates were skipped and the weights are untouched; "
-            f"{last} (check the reward functions and --lr; metrics.jsonl shows each step)"
+            f"{last_checkpoint_words(run_dir)} (check the reward functions and --lr; "
+            f"metrics.jsonl shows each step)"
         )
+
+
+def last_checkpoint_words(run_dir: Path) -> str:
+    """'the last checkpoint is <path>', or 'no checkpoint was written', for a stopped run."""
+    kept = sorted(Path(run_dir).glob("checkpoint-*"))
+    return f"the last checkpoint is {kept[-1]}" if kept else "no checkpoint was written"
 
 
 def remove_partial_saves(run_dir: Path):

@@ -17,6 +17,7 @@ train_gsm8k.py does not know which task it runs; evaluation.py scores any task's
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -212,6 +213,33 @@ def check_rewards(task: Task, cfg: grpo.GRPOConfig, specs: list[str] = ()):
                    else f"{type(e).__name__}: {e}").splitlines()[0]
             raise InputError(f"--reward {name}: {why} (tried on two training rows with empty "
                              f"completions)") from None
+
+
+class RewardFailed(ValueError):
+    """A reward function raised during the run (guarded says which, and what it raised)."""
+
+
+def guarded(fn: Callable) -> Callable:
+    """`fn` whose exceptions become RewardFailed, naming it: "reward function 'f' raised
+    KeyError: 'answer'". The same name (grpo.reward_name) and the same results otherwise.
+    WHY: a reward that fails at step 300 of a long run must stop it with one line, not a
+    traceback through grpo.py (train_gsm8k.main turns it into one, as it does compute_rewards'
+    own "reward function 'f' returned ..." checks)."""
+    @functools.wraps(fn)
+    def reward(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 -- whatever a user's function raises, name it
+            why = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+            raise RewardFailed(f"reward function {grpo.reward_name(fn)!r} raised {why}") from e
+    return reward
+
+
+def is_reward_failure(e: Exception) -> bool:
+    """Whether `e` says a reward function failed: it raised (RewardFailed), or grpo.py refused
+    what it returned (compute_rewards' and score_steps' messages)."""
+    return isinstance(e, RewardFailed) or (isinstance(e, (ValueError, TypeError)) and str(
+        e).startswith(("reward function", "process reward")))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -717,3 +717,40 @@ def test_the_sampler_that_ran_is_on_the_record(tmp_path, cache, monkeypatch, cap
     first = capsys.readouterr().out.splitlines()
     start = next(line for line in first if line.startswith("model: "))
     assert "sampler: eager (engine): compiled decoding fell back: transformers 9.0's" in start
+
+
+@pytest.mark.parametrize("failure, says", [
+    ("raise", "reward function 'correctness_reward' raised KeyError: 'answer'"),
+    ("count", "reward function 'correctness_reward' returned 7 values for 8 completions"),
+    ("text", "reward function 'correctness_reward' returned 'right'; expected a number"),
+])
+def test_a_reward_that_fails_mid_run_stops_it_in_one_line_and_it_resumes(tmp_path, cache,
+                                                                          monkeypatch, capsys,
+                                                                          failure, says):
+    """A reward that passes the check before training and fails at step 3 (raises, returns the
+    wrong number of values, or a non-number) stops the run with exit code 1 and one line naming
+    it and the last checkpoint; with the reward mended, --resume finishes the run from there.
+    The bug it catches: grpo.py's traceback, many lines deep, at step 300 of a long run."""
+    import rewards as rewards_mod
+    calls = {"n": 0}
+
+    def correctness_reward(completions, answer, **kw):
+        calls["n"] += len(completions) == 8  # a training step (2 prompts x G=4)
+        values = rewards_mod.correctness_reward(completions, answer)
+        if calls["n"] < 3 or calls.get("mended"):
+            return values
+        if failure == "raise":
+            raise KeyError("answer")
+        return values[1:] if failure == "count" else ["right"] + values[1:]
+
+    monkeypatch.setattr(gsm8k, "REWARD_FUNCS", [correctness_reward, rewards_mod.format_reward])
+    out = tmp_path / "run"
+    assert train_gsm8k.cli([*RUN_FLAGS, "--steps", "4", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    err = err[err.index("error: "):].strip()  # after the progress bars
+    assert err.startswith(f"error: stopped after step 2: {says}") and "\n" not in err, err
+    assert "checkpoint-000002" in err and f"--resume {out}" in err
+    calls["mended"] = True
+    assert train_gsm8k.cli(["--resume", str(out)]) == 0
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
