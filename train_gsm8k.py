@@ -87,8 +87,10 @@ class TrainConfig:
     device: str = "auto"
     """'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', 'mps'."""
     bf16: bool = False
-    """Compute in bfloat16 autocast. Weights and AdamW state stay fp32, so 1e-6 updates survive.
-    π_ref keeps its Linear weights in bf16 and scores what the policy scores (precision.py)."""
+    """Compute in bfloat16 autocast as PyTorch's AMP does: each forward pass under autocast,
+    backward and AdamW's step outside it (with --plain too: around grpo.py's own sampler and
+    scorer). Weights and AdamW state stay fp32, so 1e-6 updates survive. π_ref keeps its Linear
+    weights in bf16 and scores what the policy scores (precision.py)."""
     fp32_logits: bool = True
     """Under --bf16: the output layer in fp32, so the sampler and the trainer score each token
     alike (bf16 logits put 6.9% of SmolLM2's tokens >10% apart; docs/real_model.md)."""

@@ -5,6 +5,7 @@ benchmarks/gpu_check.py -- the decoding checks of benchmarks/gpu_check.sh, one J
     python benchmarks/gpu_check.py tokens --device cuda    # compiled = reference tokens there?
     python benchmarks/gpu_check.py speed --device cuda --arch qwen2.5-0.5b --bf16   # ms a token
     python benchmarks/gpu_check.py bf16-sampling --device cuda   # bf16 decode: casts once?
+    python benchmarks/gpu_check.py preset-shapes --device cuda --prompts 8 --tokens 512
     python benchmarks/gpu_check.py lora-step --device cuda    # 7B + LoRA step, against the plan
     python benchmarks/gpu_check.py real-model --device cuda   # the SmolLM2 preset, against the plan
 
@@ -19,6 +20,10 @@ speed: G completions of --tokens forced tokens for --prompts prompts (random wei
     dynamo's timers (engine.compile_seconds).
 bf16-sampling: engine.decode under bf16 autocast in inference_mode (every weight cast again at
     every token) against engine.sampling_mode (cast once a decode): identical tokens, ms a token.
+preset-shapes: the Qwen preset's shapes (fp32 output layer, bf16 autocast, compiled decoding):
+    N = 8 x --prompts sequences of --tokens tokens twice, then --eval-rows greedy rows in batches
+    of --eval-batch; graphs compiled, graph breaks, CUDA graphs skipped, the sampler that ran; and
+    for each attention backend whether a left-padded bf16 forward and backward stay finite.
 lora-step: one GRPO + LoRA step in bf16 at the paper's 7B architecture (random weights), its
     peak GPU memory against planner.py's prediction.
 real-model: train_gsm8k.py's smollm2-135m preset for a few steps, its seconds and peak GPU memory
@@ -177,6 +182,80 @@ def bf16_sampling(device: str, arch: str, group_size: int, prompts: int, n_token
     return res
 
 
+def compile_counts() -> dict:
+    """dynamo's and inductor's running counts: graphs compiled, graph breaks, CUDA graphs
+    skipped."""
+    from torch._dynamo.utils import counters
+    return {"graphs": counters["stats"]["unique_graphs"],
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
+
+
+def counted_since(start: dict) -> dict:
+    """compile_counts() now, less `start`."""
+    return {k: v - start[k] for k, v in compile_counts().items()}
+
+
+def preset_shapes(device: str, arch: str, n_seqs: int, n_tokens: int, eval_rows: int,
+                  eval_batch: int, hidden: int = 64, layers: int = 2) -> dict:
+    """The qwen2.5-0.5b preset's shapes (random weights at --arch), as train_gsm8k.py runs them:
+    the fp32 output layer, bf16 autocast around each forward (precision.py), compiled decoding.
+    1. A training step's sampling, N = n_seqs sequences (G = 8) of n_tokens forced tokens, twice
+       (the second must compile nothing), then an evaluation's greedy decoding of eval_rows rows in
+       batches of eval_batch, the last one smaller: graphs compiled, graph breaks and CUDA graphs
+       skipped in each part, and which sampler ran (engine.sampler_used).
+    2. For each attention backend this transformers has (sdpa, eager; flash_attention_2 where
+       installed): a left-padded bf16 forward and backward of the sampled batch through
+       grpo.token_logprobs, as the update runs it: are the log-probs and every gradient finite?"""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from machinery import engine, precision
+    import grpo
+    with tempfile.TemporaryDirectory() as tmp:
+        n_params = build_model(Path(tmp), hidden, layers, 4, arch)
+        tok = AutoTokenizer.from_pretrained(tmp)
+        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(device)
+    precision.fp32_logits(model.eval())
+    dev, G = device.split(":")[0], 8
+    cfg = grpo.GRPOConfig(group_size=G, max_new_tokens=n_tokens)
+    seams = precision.autocast_seams(grpo.Seams(sample=sampler_of("compiled", model, tok,
+                                                                  n_tokens)), dev)
+    texts = [r["prompt"] for r in rows_for(max(n_seqs // G, eval_rows))]
+    res = {"check": "preset-shapes", "arch": arch, "parameters": n_params, "device": device,
+           "work": f"N={n_seqs} x {n_tokens} tokens; eval {eval_rows} rows in batches of "
+                   f"{eval_batch}"}
+    for part in ("train", "train_again"):
+        start, t = compile_counts(), time.perf_counter()
+        batch = grpo.sample_completions(model, tok, texts[:n_seqs // G], cfg, sample=seams.sample)
+        sync(device)
+        res[part] = {**counted_since(start), "seconds": time.perf_counter() - t}
+    start, t = compile_counts(), time.perf_counter()
+    for i in range(0, eval_rows, eval_batch):
+        grpo.sample_completions(model, tok, texts[i:i + eval_batch], cfg, greedy=True,
+                                group_size=1, sample=seams.sample)
+    sync(device)
+    res["eval"] = {**counted_since(start), "seconds": time.perf_counter() - t,
+                   "batches": [min(eval_batch, eval_rows - i) for i in range(0, eval_rows,
+                                                                            eval_batch)]}
+    res["sampler"] = engine.sampler_used(model, "compiled")
+    inputs = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"],
+              batch["completion_mask"])
+    res["left_padding"] = int((batch["prompt_mask"] == 0).sum())
+    for backend in ("sdpa", "eager", "flash_attention_2"):
+        try:
+            model.set_attn_implementation(backend)
+        except (ImportError, ValueError) as e:
+            res[f"finite_{backend}"] = f"unavailable: {str(e).splitlines()[0][:120]}"
+            continue
+        model.train().zero_grad(set_to_none=True)
+        logp = seams.score(model, *inputs, 1.0)                                       # (N, T)
+        (-(logp * batch["completion_mask"]).sum()).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        res[f"finite_{backend}"] = bool(torch.isfinite(logp).all()) and all(
+            bool(torch.isfinite(g).all()) for g in grads) and len(grads) > 0
+    return res
+
+
 def lora_step(device: str, config_path: str, group_size: int, prompts: int, n_tokens: int,
               shrink: bool = False) -> dict:
     """One GRPO + LoRA step (r 16, all linear layers) in bf16 on a random model of the config's
@@ -281,8 +360,8 @@ def real_model(device: str, steps: int, out: str, flags: list[str]) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
-    p.add_argument("check", choices=["machine", "tokens", "speed", "bf16-sampling", "lora-step",
-                                     "real-model"])
+    p.add_argument("check", choices=["machine", "tokens", "speed", "bf16-sampling",
+                                     "preset-shapes", "lora-step", "real-model"])
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--arch", choices=ARCHS, default="qwen2.5-0.5b",
                    help="speed: Qwen2.5-0.5B's architecture (default), SmolLM2-135M's, "
@@ -294,6 +373,10 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=4, help="speed: prompts (default 4)")
     p.add_argument("--tokens", type=int, default=128, help="speed: forced tokens (default 128)")
     p.add_argument("--repeats", type=int, default=3, help="speed: timed calls (default 3)")
+    p.add_argument("--eval-rows", type=int, default=72,
+                   help="preset-shapes: rows decoded greedily (default 72)")
+    p.add_argument("--eval-batch", type=int, default=64,
+                   help="preset-shapes: rows a batch (default 64: a tail of 8)")
     p.add_argument("--config", default="benchmarks/configs/deepseek-math-7b.json",
                    help="lora-step: the architecture (default: DeepSeekMath-7B's)")
     p.add_argument("--shrink", action="store_true",
@@ -314,6 +397,9 @@ def main(argv=None):
     elif a.check == "bf16-sampling":
         rows = [bf16_sampling(a.device, a.arch, a.group_size, a.prompts, a.tokens, a.repeats,
                               a.hidden, a.layers)]
+    elif a.check == "preset-shapes":
+        rows = [preset_shapes(a.device, a.arch, a.group_size * a.prompts, a.tokens,
+                              a.eval_rows, a.eval_batch, a.hidden, a.layers)]
     elif a.check == "lora-step":
         rows = [lora_step(a.device, a.config, a.group_size, a.prompts, a.tokens, a.shrink)]
     elif a.check == "real-model":  # NOTE: flags it does not know go to train_gsm8k.py

@@ -13,7 +13,11 @@
 #   3. decoding speed at Qwen2.5-0.5B's architecture in bf16: engine.decode against
 #      engine.decode_compiled, ms per token, and the compile seconds; 3b. bf16 sampling in
 #      inference_mode (every weight cast at every token) against engine.sampling_mode (cast once),
-#      ms per token and whether the tokens are identical;
+#      ms per token and whether the tokens are identical; 3c. the Qwen preset's shapes (N = 64
+#      sequences of 512 tokens, then an evaluation's batches of 64 and a tail of 8) with its fp32
+#      output layer under bf16 autocast and compiled decoding: graphs compiled, graph breaks, CUDA
+#      graphs skipped, the sampler that ran, and per attention backend whether a left-padded bf16
+#      forward and backward stay finite;
 #   4. train_gsm8k.py's Qwen preset end to end (bf16, fused AdamW, gradient checkpointing,
 #      --compile on) for 3 steps on a random Qwen2.5-0.5B-architecture model and tiny-world data,
 #      with its peak GPU memory;
@@ -47,6 +51,7 @@ if [ "$DRY" = 1 ]; then
     DEV=cpu ARCH=llama LIMIT=300
     SPEED=(--group-size 2 --prompts 2 --tokens 8 --repeats 2)
     SAMPLING=(--group-size 2 --prompts 2 --tokens 8 --repeats 1)
+    SHAPES=(--prompts 1 --tokens 8 --eval-rows 5 --eval-batch 2)
     TRAIN=(--steps 2 --eval-size 4 --prompts-per-step 2 --group-size 2 --max-new-tokens 8)
     TRL=(--steps 3 --warmup 1 --rounds 1 --tokens 4)
     LORA=(--shrink --group-size 4 --prompts 2 --tokens 8)
@@ -58,6 +63,7 @@ else
     DEV=cuda ARCH=qwen2.5-0.5b LIMIT=240
     SPEED=(--bf16 --group-size 8 --prompts 4 --tokens 128 --repeats 3)
     SAMPLING=(--group-size 8 --prompts 8 --tokens 128 --repeats 2)
+    SHAPES=(--prompts 8 --tokens 512 --eval-rows 72 --eval-batch 64)
     TRAIN=(--steps 3 --eval-size 32 --prompts-per-step 4 --group-size 8 --max-new-tokens 128)
     TRL=(--bf16 --group-size 8 --prompts 2 --tokens 512 --steps 3 --warmup 1 --rounds 1)
     LORA=(--group-size 8 --prompts 2 --tokens 256)
@@ -85,6 +91,8 @@ step 2-tokens "$PY" benchmarks/gpu_check.py tokens --device "$DEV"
 step 3-speed "$PY" benchmarks/gpu_check.py speed --device "$DEV" --arch "$ARCH" "${SPEED[@]}"
 step 3b-bf16-sampling "$PY" benchmarks/gpu_check.py bf16-sampling --device "$DEV" --arch "$ARCH" \
     "${SAMPLING[@]}"
+step 3c-preset-shapes "$PY" benchmarks/gpu_check.py preset-shapes --device "$DEV" --arch "$ARCH" \
+    "${SHAPES[@]}"
 "$PY" -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
 from vs_trl import build_model; build_model(Path('$OUT/model'), 64, 2, 4, '$ARCH')"
 step 4-qwen-preset "$PY" -c "import json, sys, train_gsm8k, torch; \

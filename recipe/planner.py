@@ -161,7 +161,8 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
         "reference": 0 if (s.beta == 0 or s.lora_r) else 4 * shape.params - (
             2 * (shape.linear_params - (0 if shape.head_params else shape.embed_params))
             if s.bf16 else 0),
-        # NOTE: autocast keeps a bf16 copy of each fp32 weight it casts until the step's end
+        # NOTE: autocast keeps a bf16 copy of each fp32 weight it casts for its region (a whole
+        #       decode, a scoring pass: precision.autocast_seams) and backward keeps them saved
         "autocast copies": (2 * (lora_p if s.lora_r else shape.linear_params) if s.bf16 else 0),
     }
     # NOTE: saved for backward per token and block, in bytes (fitted: fp32 10h + 4i + S + heads
