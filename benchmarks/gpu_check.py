@@ -353,6 +353,7 @@ def real_model(device: str, steps: int, out: str, flags: list[str]) -> dict:
     return {"check": "real-model", "model": "SmolLM2-135M-Instruct (GGUF)" if real
             else "random weights, SmolLM2-135M's architecture",
             "device": s["device"], "steps": s["steps"], "wall_seconds": s["wall_seconds"],
+            "sampler": s["sampler"],  # the decode loop that ran (compiled, or why it fell back)
             "accuracy_before": s["accuracy_before"], "accuracy_after": s["accuracy_after"],
             "peak_gpu_mb": peak, "planned_peak_mb": planned, "planned_phase": plan["peak_phase"],
             "plan_error": None if peak is None else peak / planned - 1}

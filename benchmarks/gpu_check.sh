@@ -98,7 +98,7 @@ from vs_trl import build_model; build_model(Path('$OUT/model'), 64, 2, 4, '$ARCH
 step 4-qwen-preset "$PY" -c "import json, sys, train_gsm8k, torch; \
 s = train_gsm8k.main(sys.argv[1:]); print(json.dumps({'check': 'qwen-preset', \
 'accuracy_before': s['accuracy_before'], 'accuracy_after': s['accuracy_after'], \
-'wall_seconds': s['wall_seconds'], 'sampler': s['engine_config']['sampler'], 'device': s['device'], \
+'wall_seconds': s['wall_seconds'], 'sampler': s['sampler'], 'device': s['device'], \
 'peak_gpu_mb': torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None}))" \
     --preset qwen2.5-0.5b --model "$OUT/model" --data tiny --device "$DEV" --compile on \
     --out "$OUT/qwen-preset" "${TRAIN[@]}"

