@@ -52,3 +52,20 @@ def test_committed_notebook_shows_its_plots_and_ends_with_a_checked_exercise(pat
     assert "assert is_right(" in exercise.source and "not is_right(" in exercise.source
     assert not [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
                 if o.output_type == "error"]
+
+
+def test_the_one_update_notebook_shows_grpos_idea_and_its_page_quotes_it():
+    """notebooks/00_one_update.ipynb's committed run prints its two lines: the loss built by hand
+    equal to grpo_loss's, and a correlation between A_i and Δ log π(o_i) that is positive and
+    large (GRPO's one claim, in one update); docs/notebooks.md quotes that very correlation."""
+    import re
+    path = NOTEBOOKS[0].parent / "00_one_update.ipynb"
+    printed = "".join(o.get("text", "") for c in nbformat.read(path, as_version=4).cells
+                      if c.cell_type == "code" for o in c.get("outputs", []))
+    hand = re.search(r"built by hand: loss = (\S+), grpo_loss = (\S+)", printed)
+    assert hand and hand.group(1) == hand.group(2)
+    corr = re.search(r"one update: corr\(A_i, Δ log π\(o_i\)\) = ([+-][\d.]+) over G = 8 "
+                     r"completions", printed)
+    assert corr and float(corr.group(1)) > 0.5, printed
+    page = (path.parent.parent / "docs" / "notebooks.md").read_text()
+    assert f"corr(A_i, Δ log π(o_i)) = {corr.group(1)} over G = 8" in page
