@@ -69,3 +69,8 @@ def test_the_one_update_notebook_shows_grpos_idea_and_its_page_quotes_it():
     assert corr and float(corr.group(1)) > 0.5, printed
     page = (path.parent.parent / "docs" / "notebooks.md").read_text()
     assert f"corr(A_i, Δ log π(o_i)) = {corr.group(1)} over G = 8" in page
+    # and the page's other two numbers: the pull back, and the tokens the clip stopped
+    back = re.search(r"of this one\) = ([+-][\d.]+)", printed).group(1)
+    assert float(back) < 0 and f"(corr {back} with the first update's change)" in page
+    clip = re.search(r"the clip binds on (\d+ of \d+) tokens", printed).group(1)
+    assert f"the clip binds on {clip} tokens" in page
