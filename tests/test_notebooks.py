@@ -74,3 +74,17 @@ def test_the_one_update_notebook_shows_grpos_idea_and_its_page_quotes_it():
     assert float(back) < 0 and f"(corr {back} with the first update's change)" in page
     clip = re.search(r"the clip binds on (\d+ of \d+) tokens", printed).group(1)
     assert f"the clip binds on {clip} tokens" in page
+
+
+def test_the_advantages_notebook_quotes_its_own_numbers():
+    """docs/notebooks.md's headline for notebook 01 (the expected share of silent groups at G = 8
+    and G = 64) is what the committed run printed, rounded to a percent."""
+    import ast
+    import re
+    path = NOTEBOOKS[0].parent / "01_group_advantages.ipynb"
+    printed = "".join(o.get("text", "") for c in nbformat.read(path, as_version=4).cells
+                      if c.cell_type == "code" for o in c.get("outputs", []))
+    shares = ast.literal_eval(re.search(r"\{2: [^}]*\}", printed).group(0))
+    page = (path.parent.parent / "docs" / "notebooks.md").read_text()
+    assert (f"an expected {100 * shares[8]:.0f}% of groups of G = 8" in page
+            and f"G = 64 would leave {100 * shares[64]:.0f}%" in page)
