@@ -88,3 +88,26 @@ def test_the_advantages_notebook_quotes_its_own_numbers():
     page = (path.parent.parent / "docs" / "notebooks.md").read_text()
     assert (f"an expected {100 * shares[8]:.0f}% of groups of G = 8" in page
             and f"G = 64 would leave {100 * shares[64]:.0f}%" in page)
+
+
+def test_the_ppo_notebook_quotes_its_own_numbers():
+    """docs/notebooks.md's headline for notebook 05 (each method's held-out accuracy, the warm
+    start's, each method's seconds a step for GRPO and PPO) is what the committed run printed."""
+    import re
+    path = NOTEBOOKS[0].parent / "05_grpo_vs_ppo.ipynb"
+    printed = "".join(o.get("text", "") for c in nbformat.read(path, as_version=4).cells
+                      if c.cell_type == "code" for o in c.get("outputs", []))
+    acc = dict(re.findall(r"^\s*(GRPO|PPO|RLOO|REINFORCE)(?: \+ critic)?: held-out accuracy "
+                          r"([\d.]+)%", printed, re.M))
+    secs = dict(re.findall(r"^\s*(GRPO|PPO)(?: \+ critic)?: held-out accuracy [\d.]+% after \d+ "
+                           r"steps, ([\d.]+) s per step", printed, re.M))
+    warm = re.search(r"warm start: ([\d.]+)% on the same", printed).group(1)
+    page = (path.parent.parent / "docs" / "notebooks.md").read_text()
+    quoted = (f"GRPO {acc['GRPO']}%, PPO {acc['PPO']}%, RLOO {acc['RLOO']}%, REINFORCE "
+              f"{acc['REINFORCE']}% (warm start {warm}%); PPO took {secs['PPO']} s a step against "
+              f"GRPO's {secs['GRPO']}")
+    assert quoted in page, quoted
+    v, mean, corr = re.search(r"critic V\(s_0\): mean ([\d.]+), spread [\d.]+; group mean reward: "
+                              r"mean ([\d.]+), spread [\d.]+; correlation ([+-][\d.]+)",
+                              printed).groups()
+    assert f"averaged {v} against a mean reward of {mean}, correlation {corr}" in page
