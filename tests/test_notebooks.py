@@ -111,3 +111,18 @@ def test_the_ppo_notebook_quotes_its_own_numbers():
                               r"mean ([\d.]+), spread [\d.]+; correlation ([+-][\d.]+)",
                               printed).groups()
     assert f"averaged {v} against a mean reward of {mean}, correlation {corr}" in page
+
+
+def test_the_policy_notebook_quotes_its_own_numbers():
+    """docs/notebooks.md's headline for notebook 02 (the ratio's range in the second updates, the
+    share of tokens clipped, where the largest move sits) is what the committed run printed."""
+    import re
+    path = NOTEBOOKS[0].parent / "02_how_the_policy_changes.ipynb"
+    printed = "".join(o.get("text", "") for c in nbformat.read(path, as_version=4).cells
+                      if c.cell_type == "code" for o in c.get("outputs", []))
+    low, high, share = re.search(r"ratio range ([\d.]+) \.\. ([\d.]+); tokens clipped overall: "
+                                 r"([\d.]+)", printed).groups()
+    page = (path.parent.parent / "docs" / "notebooks.md").read_text()
+    assert (f"the ratio ranged from {low} to {high}, yet the clip bound on only "
+            f"{100 * float(share):.2f}% of tokens") in page
+    assert re.search(r"the largest move: [+-][\d.]+ on '\d', after '[^']*#### '", printed)
