@@ -126,3 +126,27 @@ def test_the_policy_notebook_quotes_its_own_numbers():
     assert (f"the ratio ranged from {low} to {high}, yet the clip bound on only "
             f"{100 * float(share):.2f}% of tokens") in page
     assert re.search(r"the largest move: [+-][\d.]+ on '\d', after '[^']*#### '", printed)
+
+
+def test_the_pass_at_k_and_memory_notebooks_quote_their_own_numbers():
+    """Notebook 04's text and docs/notebooks.md quote the Maj@64, Pass@1 and Pass@64 changes its
+    committed run printed; docs/notebooks.md quotes notebook 03's measured memory ratios."""
+    import re
+    here = NOTEBOOKS[0].parent
+    nb = nbformat.read(here / "04_what_rl_improves.ipynb", as_version=4)
+    printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                      for o in c.get("outputs", []))
+    one, pass64, maj64 = re.search(r"Pass@1 by \+?([-\d.]+) points, Pass@64 by \+?([-\d.]+) points "
+                                   r"and Maj@64 by \+?([-\d.]+) points", printed).groups()
+    text = "".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    page = (here.parent / "docs" / "notebooks.md").read_text()
+    quoted = f"Maj@64 rose {maj64} points, Pass@1 {one}"
+    assert quoted in " ".join(text.split()) and quoted in page
+    assert f"Pass@64 {pass64} (from" in " ".join(text.split()) and f"Pass@64 {pass64} (from" in page
+    nb = nbformat.read(here / "03_why_no_critic.ipynb", as_version=4)
+    printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                      for o in c.get("outputs", []))
+    grpo_ppo, with_rm = re.search(r"peaked at (\d+)% of PPO's \(rule-based reward\), "
+                                  r"(\d+)% of PPO's", printed).groups()
+    assert (f"peaked at {grpo_ppo}% of the PPO update's memory ({with_rm}% against PPO with a "
+            f"reward model)") in page
