@@ -51,7 +51,7 @@ if [ "$DRY" = 1 ]; then
     DEV=cpu ARCH=llama LIMIT=300
     SPEED=(--group-size 2 --prompts 2 --tokens 8 --repeats 2)
     SAMPLING=(--group-size 2 --prompts 2 --tokens 8 --repeats 1)
-    SHAPES=(--prompts 2 --tokens 8 --eval-rows 5 --eval-batch 2)
+    SHAPES=(--prompts 2 --tokens 8 --eval-rows 3 --eval-batch 2)
     TRAIN=(--steps 2 --eval-size 4 --prompts-per-step 2 --group-size 2 --max-new-tokens 8)
     TRL=(--steps 3 --warmup 1 --rounds 1 --tokens 4)
     LORA=(--shrink --group-size 4 --prompts 2 --tokens 8)

@@ -180,7 +180,7 @@ def test_gpu_check_dry_run_runs_every_step_on_cpu(tmp_path):
     assert sampling["identical_tokens"] and sampling["sampling_mode_ms_per_token"] > 0
     shapes = by_check["preset-shapes"][0]     # step 3c: the Qwen preset's shapes, compiled
     assert shapes["sampler"]["used"] == "compiled" and shapes["train"]["graphs"] >= 1
-    assert shapes["train_again"]["graphs"] == 0 and shapes["eval"]["batches"] == [2, 2, 1]
+    assert shapes["train_again"]["graphs"] == 0 and shapes["eval"]["batches"] == [2, 1]
     assert shapes["left_padding"] > 0 and shapes["finite_sdpa"] is True
     assert shapes["finite_eager"] is True
     assert "vs-trl" not in by_check and "5-vs-trl" not in by_check   # skipped, as asked
