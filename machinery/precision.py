@@ -65,13 +65,17 @@ def autocast_seams(seams: grpo.Seams, device_type: str) -> grpo.Seams:
 
 
 def autocast_forward(module, device_type: str):
-    """`module` whose forward runs under bf16 autocast in a region of its own, in place; for a
-    model that no seam scores (PPO's value model in compare/ppo.py). Returns the module.
+    """`module` whose forward runs under bf16 autocast in a region of its own and returns its
+    tensor in fp32, in place; for a model that no seam scores (PPO's value model in
+    compare/ppo.py). Returns the module.
+    WHY fp32 out: what it returns is used outside autocast (PPO's GAE and value loss), where a bf16
+    tensor meets fp32 ones; accelerate's convert_outputs_to_fp32 does the same for TRL.
     NOTE: set on the instance as a bound method, so a deep copy calls its own forward."""
-    def forward(self, *args, **kwargs):
-        with torch.autocast(device_type, dtype=torch.bfloat16):
-            return type(self).forward(self, *args, **kwargs)
-    module.forward = types.MethodType(forward, module)
+    forward = under_autocast(type(module).forward, device_type)
+
+    def fp32_forward(self, *args, **kwargs):
+        return forward(self, *args, **kwargs).float()
+    module.forward = types.MethodType(fp32_forward, module)
     return module
 
 

@@ -150,6 +150,7 @@ SWITCHES = {
     "lean activations": ["--logprob-chunk", "0", "--lean-activations"],
     "AdamW inside backward": ["--logprob-chunk", "5", "--update-in-backward"],
     "--plain": ["--plain"],
+    "PPO's critic": ["--logprob-chunk", "0", "--baseline", "critic"],
 }
 
 
