@@ -423,16 +423,16 @@ def setup(configs: list) -> Run:
                         grpo.reward_name(task.score_func))
     seams, step_fn = applied_from_outside(policy, ref, tokenizer, configs, device)
     n_params = sum(p.numel() for p in policy.parameters()) / 1e6
-    sampler = engine.sampler_used(policy, "plain" if tcfg.plain else ecfg.sampler)
-    tqdm.write(f"model: {model_name} ({n_params:.2f} M parameters) on {device}; data: {tcfg.data} "
-               f"({len(task.train)} train, {len(task.test)} held out); out: {out}; "
-               f"sampler: {engine.sampler_line(sampler)}")
     # WHY: generated rows (the tiny world's) come in random order; keeping it means a run resumed
     #      with more --steps sees the same rows first. A file's rows are shuffled.
     order = (random.Random(tcfg.seed).sample(range(len(task.train)), len(task.train))
              if task.shuffle else list(range(len(task.train))))
-    return Run(tcfg, gcfg, mcfg, task, policy, tokenizer, ref, optimizer, state, out, log, seams,
-               step_fn, device, order)
+    run = Run(tcfg, gcfg, mcfg, task, policy, tokenizer, ref, optimizer, state, out, log, seams,
+              step_fn, device, order)
+    tqdm.write(f"model: {model_name} ({n_params:.2f} M parameters) on {device}; data: {tcfg.data} "
+               f"({len(task.train)} train, {len(task.test)} held out); out: {out}; "
+               f"sampler: {engine.sampler_line(run.sampler())}")
+    return run
 
 
 def train(run: Run):

@@ -14,25 +14,20 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gpu_check import compile_counts, counted_since, sampler_of  # noqa: E402
-from vs_trl import build_model, rows_for  # noqa: E402
+from gpu_check import compile_counts, counted_since, random_model, sampler_of  # noqa: E402
+from vs_trl import rows_for  # noqa: E402
 
 
 def main():
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     import grpo
     torch.set_num_threads(2)
-    with tempfile.TemporaryDirectory() as tmp:
-        build_model(Path(tmp), 0, 0, 0, "smollm2-135m")
-        tok = AutoTokenizer.from_pretrained(tmp)
-        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    _, tok, model = random_model("cpu", "smollm2-135m")
     rows = rows_for(6)
     cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=64)
     calls = []

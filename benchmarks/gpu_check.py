@@ -107,16 +107,24 @@ def tokens(device: str) -> list[dict]:
     return rows
 
 
-def speed(device: str, arch: str, bf16: bool, group_size: int, prompts: int, n_tokens: int,
-          repeats: int, hidden: int = 64, layers: int = 2) -> dict:
+def random_model(device: str, arch: str, hidden: int = 64, layers: int = 2):
+    """(parameter count, tokenizer, model in eval mode on `device`): random weights at --arch's
+    architecture (vs_trl.build_model), saved and loaded back in fp32, as a run loads a model."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from machinery import engine
-    import grpo
     with tempfile.TemporaryDirectory() as tmp:
         n_params = build_model(Path(tmp), hidden, layers, 4, arch)
         tok = AutoTokenizer.from_pretrained(tmp)
         model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(device).eval()
+    return n_params, tok, model
+
+
+def speed(device: str, arch: str, bf16: bool, group_size: int, prompts: int, n_tokens: int,
+          repeats: int, hidden: int = 64, layers: int = 2) -> dict:
+    import torch
+    from machinery import engine
+    import grpo
+    n_params, tok, model = random_model(device, arch, hidden, layers)
     texts = [r["prompt"] for r in rows_for(prompts)]
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=bf16)
     res = {"check": "speed", "arch": arch, "parameters": n_params, "device": device,
@@ -148,13 +156,9 @@ def bf16_sampling(device: str, arch: str, group_size: int, prompts: int, n_token
     same seed: whether the tokens are identical, and ms a token each (median of --repeats after
     a warm-up call)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from machinery import engine, precision
     import grpo
-    with tempfile.TemporaryDirectory() as tmp:
-        n_params = build_model(Path(tmp), hidden, layers, 4, arch)
-        tok = AutoTokenizer.from_pretrained(tmp)
-        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(device).eval()
+    n_params, tok, model = random_model(device, arch, hidden, layers)
     texts = [r["prompt"] for r in rows_for(prompts)]
     cfg = grpo.GRPOConfig(group_size=group_size, max_new_tokens=n_tokens)
     sample = precision.under_autocast(sampler_of("engine", model, tok, n_tokens),
@@ -208,14 +212,10 @@ def preset_shapes(device: str, arch: str, n_seqs: int, n_tokens: int, eval_rows:
        installed): a left-padded bf16 forward and backward of the sampled batch through
        grpo.token_logprobs, as the update runs it: are the log-probs and every gradient finite?"""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from machinery import engine, precision
     import grpo
-    with tempfile.TemporaryDirectory() as tmp:
-        n_params = build_model(Path(tmp), hidden, layers, 4, arch)
-        tok = AutoTokenizer.from_pretrained(tmp)
-        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(device)
-    precision.fp32_logits(model.eval())
+    n_params, tok, model = random_model(device, arch, hidden, layers)
+    precision.fp32_logits(model)
     dev, G = device.split(":")[0], 8
     cfg = grpo.GRPOConfig(group_size=G, max_new_tokens=n_tokens)
     seams = precision.autocast_seams(grpo.Seams(sample=sampler_of("compiled", model, tok,

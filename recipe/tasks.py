@@ -209,8 +209,7 @@ def check_rewards(task: Task, cfg: grpo.GRPOConfig, specs: list[str] = ()):
             grpo.compute_rewards([fn], prompts, [""] * len(rows), columns_of(rows))
         except Exception as e:  # WHY: whatever a user's function raises, name it, in one line
             # NOTE: compute_rewards' own checks already say "reward function 'f' returned ..."
-            why = (str(e) if str(e).startswith("reward function")
-                   else f"{type(e).__name__}: {e}").splitlines()[0]
+            why = (str(e) if is_reward_failure(e) else f"{type(e).__name__}: {e}").splitlines()[0]
             raise InputError(f"--reward {name}: {why} (tried on two training rows with empty "
                              f"completions)") from None
 

@@ -54,20 +54,27 @@ def test_committed_notebook_shows_its_plots_and_ends_with_a_checked_exercise(pat
                 if o.output_type == "error"]
 
 
+NOTES = NOTEBOOKS[0].parent                                 # notebooks/
+PAGE = NOTES.parent / "docs" / "notebooks.md"               # the page that quotes their outputs
+
+
+def printed_by(name: str) -> str:
+    """Everything the committed copy of notebooks/<name> printed, its cells' text outputs joined."""
+    return "".join(o.get("text", "") for c in nbformat.read(NOTES / name, as_version=4).cells
+                   if c.cell_type == "code" for o in c.get("outputs", []))
+
 def test_the_one_update_notebook_shows_grpos_idea_and_its_page_quotes_it():
     """notebooks/00_one_update.ipynb's committed run prints its two lines: the loss built by hand
     equal to grpo_loss's, and a correlation between A_i and Δ log π(o_i) that is positive and
     large (GRPO's one claim, in one update); docs/notebooks.md quotes that very correlation."""
     import re
-    path = NOTEBOOKS[0].parent / "00_one_update.ipynb"
-    printed = "".join(o.get("text", "") for c in nbformat.read(path, as_version=4).cells
-                      if c.cell_type == "code" for o in c.get("outputs", []))
+    printed = printed_by("00_one_update.ipynb")
     hand = re.search(r"built by hand: loss = (\S+), grpo_loss = (\S+)", printed)
     assert hand and hand.group(1) == hand.group(2)
     corr = re.search(r"one update: corr\(A_i, Δ log π\(o_i\)\) = ([+-][\d.]+) over G = 8 "
                      r"completions", printed)
     assert corr and float(corr.group(1)) > 0.5, printed
-    page = (path.parent.parent / "docs" / "notebooks.md").read_text()
+    page = PAGE.read_text()
     assert f"corr(A_i, Δ log π(o_i)) = {corr.group(1)} over G = 8" in page
     # and the page's other two numbers: the pull back, and the tokens the clip stopped
     back = re.search(r"of this one\) = ([+-][\d.]+)", printed).group(1)
@@ -81,11 +88,9 @@ def test_the_advantages_notebook_quotes_its_own_numbers():
     and G = 64) is what the committed run printed, rounded to a percent."""
     import ast
     import re
-    path = NOTEBOOKS[0].parent / "01_group_advantages.ipynb"
-    printed = "".join(o.get("text", "") for c in nbformat.read(path, as_version=4).cells
-                      if c.cell_type == "code" for o in c.get("outputs", []))
+    printed = printed_by("01_group_advantages.ipynb")
     shares = ast.literal_eval(re.search(r"\{2: [^}]*\}", printed).group(0))
-    page = (path.parent.parent / "docs" / "notebooks.md").read_text()
+    page = PAGE.read_text()
     assert (f"an expected {100 * shares[8]:.0f}% of groups of G = 8" in page
             and f"G = 64 would leave {100 * shares[64]:.0f}%" in page)
 
@@ -94,15 +99,13 @@ def test_the_ppo_notebook_quotes_its_own_numbers():
     """docs/notebooks.md's headline for notebook 05 (each method's held-out accuracy, the warm
     start's, each method's seconds a step for GRPO and PPO) is what the committed run printed."""
     import re
-    path = NOTEBOOKS[0].parent / "05_grpo_vs_ppo.ipynb"
-    printed = "".join(o.get("text", "") for c in nbformat.read(path, as_version=4).cells
-                      if c.cell_type == "code" for o in c.get("outputs", []))
+    printed = printed_by("05_grpo_vs_ppo.ipynb")
     acc = dict(re.findall(r"^\s*(GRPO|PPO|RLOO|REINFORCE)(?: \+ critic)?: held-out accuracy "
                           r"([\d.]+)%", printed, re.M))
     secs = dict(re.findall(r"^\s*(GRPO|PPO)(?: \+ critic)?: held-out accuracy [\d.]+% after \d+ "
                            r"steps, ([\d.]+) s per step", printed, re.M))
     warm = re.search(r"warm start: ([\d.]+)% on the same", printed).group(1)
-    page = (path.parent.parent / "docs" / "notebooks.md").read_text()
+    page = PAGE.read_text()
     quoted = (f"GRPO {acc['GRPO']}%, PPO {acc['PPO']}%, RLOO {acc['RLOO']}%, REINFORCE "
               f"{acc['REINFORCE']}% (warm start {warm}%); PPO took {secs['PPO']} s a step against "
               f"GRPO's {secs['GRPO']}")
@@ -117,12 +120,10 @@ def test_the_policy_notebook_quotes_its_own_numbers():
     """docs/notebooks.md's headline for notebook 02 (the ratio's range in the second updates, the
     share of tokens clipped, where the largest move sits) is what the committed run printed."""
     import re
-    path = NOTEBOOKS[0].parent / "02_how_the_policy_changes.ipynb"
-    printed = "".join(o.get("text", "") for c in nbformat.read(path, as_version=4).cells
-                      if c.cell_type == "code" for o in c.get("outputs", []))
+    printed = printed_by("02_how_the_policy_changes.ipynb")
     low, high, share = re.search(r"ratio range ([\d.]+) \.\. ([\d.]+); tokens clipped overall: "
                                  r"([\d.]+)", printed).groups()
-    page = (path.parent.parent / "docs" / "notebooks.md").read_text()
+    page = PAGE.read_text()
     assert (f"the ratio ranged from {low} to {high}, yet the clip bound on only "
             f"{100 * float(share):.2f}% of tokens") in page
     assert re.search(r"the largest move: [+-][\d.]+ on '\d', after '[^']*#### '", printed)
@@ -132,20 +133,17 @@ def test_the_pass_at_k_and_memory_notebooks_quote_their_own_numbers():
     """Notebook 04's text and docs/notebooks.md quote the Maj@64, Pass@1 and Pass@64 changes its
     committed run printed; docs/notebooks.md quotes notebook 03's measured memory ratios."""
     import re
-    here = NOTEBOOKS[0].parent
-    nb = nbformat.read(here / "04_what_rl_improves.ipynb", as_version=4)
-    printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                      for o in c.get("outputs", []))
+    printed = printed_by("04_what_rl_improves.ipynb")
     one, pass64, maj64 = re.search(r"Pass@1 by \+?([-\d.]+) points, Pass@64 by \+?([-\d.]+) points "
                                    r"and Maj@64 by \+?([-\d.]+) points", printed).groups()
-    text = "".join(c.source for c in nb.cells if c.cell_type == "markdown")
-    page = (here.parent / "docs" / "notebooks.md").read_text()
+    text = "".join(c.source for c in nbformat.read(NOTES / "04_what_rl_improves.ipynb",
+                                                   as_version=4).cells
+                   if c.cell_type == "markdown")
+    page = PAGE.read_text()
     quoted = f"Maj@64 rose {maj64} points, Pass@1 {one}"
     assert quoted in " ".join(text.split()) and quoted in page
     assert f"Pass@64 {pass64} (from" in " ".join(text.split()) and f"Pass@64 {pass64} (from" in page
-    nb = nbformat.read(here / "03_why_no_critic.ipynb", as_version=4)
-    printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                      for o in c.get("outputs", []))
+    printed = printed_by("03_why_no_critic.ipynb")
     grpo_ppo, with_rm = re.search(r"peaked at (\d+)% of PPO's \(rule-based reward\), "
                                   r"(\d+)% of PPO's", printed).groups()
     assert (f"peaked at {grpo_ppo}% of the PPO update's memory ({with_rm}% against PPO with a "
