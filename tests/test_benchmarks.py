@@ -263,3 +263,28 @@ def test_learning_curves_draws_each_run_and_names_a_missing_one(tmp_path, capsys
                               "--out", str(tmp_path / "other.png")])
     assert e.value.code == 2 and not (tmp_path / "other.png").exists()
     assert "run1/summary.json does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_limits_sweep_runs_both_experiments_and_refuses_a_bad_setting(tmp_path, monkeypatch,
+                                                                       capsys):
+    """benchmarks/limits_sweep.py, the sweeps behind notebook 06's settings, on a 20-step warm
+    start and one GRPO step: brakes writes a line with the brakes on and one with them off, from the
+    same held-out start, each with a KL that is not negative; gaming writes one line whose gameable
+    reward pays at least what the strict check pays on the same samples (a right final answer holds
+    its gold number). A setting that is not μ:lr is a one-line error (exit 2)."""
+    monkeypatch.setenv("GRPO_TINY_CACHE", str(tmp_path / "cache"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import limits_sweep
+    common = ["--settings", "2:1e-4", "--steps", "1", "--warm-start-steps", "20",
+              "--heldout", "8"]
+    limits_sweep.main(["brakes", *common, "--out", str(tmp_path / "brakes.jsonl")])
+    on, off = [json.loads(x) for x in (tmp_path / "brakes.jsonl").read_text().splitlines()]
+    assert (on["brakes"], off["brakes"]) == ("on", "off")
+    assert on["heldout_before"] == off["heldout_before"] and on["kl"] >= 0 and off["kl"] >= 0
+    limits_sweep.main(["gaming", *common, "--out", str(tmp_path / "gaming.jsonl")])
+    (line,) = [json.loads(x) for x in (tmp_path / "gaming.jsonl").read_text().splitlines()]
+    assert all(g >= s for g, s in zip(line["contains_answer"], line["correctness_reward"]))
+    with pytest.raises(SystemExit) as e:
+        limits_sweep.main(["brakes", "--settings", "4"])
+    assert e.value.code == 2 and "a setting is μ:lr" in capsys.readouterr().err

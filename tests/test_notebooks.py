@@ -33,6 +33,10 @@ def test_notebook_runs_headless(path, tmp_path, monkeypatch):
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.output_type == "error"]
     assert not errors
+    if path.name == "06_limits_and_risks.ipynb":   # its four lines, from this quick run
+        printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                          for o in c.get("outputs", []))
+        limits_lines(printed, quick=True)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
@@ -148,3 +152,86 @@ def test_the_pass_at_k_and_memory_notebooks_quote_their_own_numbers():
                                   r"(\d+)% of PPO's", printed).groups()
     assert (f"peaked at {grpo_ppo}% of the PPO update's memory ({with_rm}% against PPO with a "
             f"reward model)") in page
+
+
+NUMBER = r"([+-]?\d+(?:\.\d+)?)"
+
+
+def limits_lines(printed: str, quick: bool = False) -> dict:
+    """The four lines notebook 06 prints, parsed and checked for consistency, never for outcome
+    (the science decides that): accuracies are percentages, KLs are not negative, rewards are
+    shares, zero-signal shares are percentages, the three parts of a step add up to 100% and its
+    seconds are positive. quick: a pool the weak QUICK model left empty prints n/a. Returns the
+    values by name."""
+    import re
+    n = NUMBER
+    brakes = re.search(rf"^brakes on: held-out {n} -> {n}, KL {n}; brakes off: held-out {n} -> "
+                       rf"{n}, KL {n}$", printed, re.M)
+    assert brakes, "the brakes line is missing"
+    on0, on1, kl_on, off0, off1, kl_off = map(float, brakes.groups())
+    assert all(0 <= a <= 100 for a in (on0, on1, off0, off1)) and on0 == off0  # the same start
+    assert kl_on >= 0 and kl_off >= 0
+    game = re.search(rf"^gameable reward: {n} -> {n}; strict accuracy of the same samples: {n} -> "
+                     rf"{n}$", printed, re.M)
+    assert game, "the gameable-reward line is missing"
+    g0, g1, s0, s1 = map(float, game.groups())
+    assert all(0 <= x <= 1 for x in (g0, g1, s0, s1))
+    # WHY: every strictly right answer holds its gold number, so the substring reward pays at
+    #      least what the strict check pays, on the same samples
+    assert g0 >= s0 and g1 >= s1
+    value = r"(\d+%|n/a)" if quick else r"(\d+%)"
+    gain = rf"({n[1:-1]}|n/a)" if quick else n
+    pools = re.search(rf"^zero-signal groups: too easy {value}, too hard {value}, mixed {value}; "
+                      rf"held-out gain: too easy {gain}, too hard {gain}, mixed {gain}$",
+                      printed, re.M)
+    assert pools, "the zero-signal line is missing"
+    shares = [float(x[:-1]) for x in pools.groups()[:3] if x != "n/a"]
+    gains = [float(x) for x in pools.groups()[3:] if x != "n/a"]
+    assert all(0 <= x <= 100 for x in shares) and all(-100 <= x <= 100 for x in gains)
+    assert [x == "n/a" for x in pools.groups()[:3]] == [x == "n/a" for x in pools.groups()[3:]]
+    step = re.search(rf"^one step at G = 8: sampling {n}%, scoring {n}%, update {n}% of {n} s$",
+                     printed, re.M)
+    assert step, "the step-split line is missing"
+    *parts, total = map(float, step.groups())
+    assert abs(sum(parts) - 100) <= 1.5 and all(x >= 0 for x in parts) and total > 0  # rounding
+    return dict(brakes=brakes.groups(), game=game.groups(), pools=pools.groups(),
+                step=step.groups())
+
+
+def test_the_limits_notebook_prints_its_four_lines_and_its_page_quotes_them():
+    """notebooks/06_limits_and_risks.ipynb's committed (full-setting) run printed its four lines,
+    each consistent (limits_lines) and with every pool filled; docs/notebooks.md quotes each one
+    whole, and each part's seconds, every part within the 3 minutes it is allowed."""
+    import re
+    printed = printed_by("06_limits_and_risks.ipynb")
+    limits_lines(printed)
+    page = " ".join(PAGE.read_text().split())
+    for prefix in ("brakes on: held-out", "gameable reward:", "zero-signal groups:",
+                   "one step at G = 8:"):
+        line = re.search(rf"^{re.escape(prefix)}.*$", printed, re.M).group(0)
+        assert f"`{line}`" in page, line
+    seconds = dict(re.findall(r"^part (\d) took (\d+) s$", printed, re.M))
+    assert sorted(seconds) == ["1", "2", "3", "4"]
+    assert all(int(s) <= 180 for s in seconds.values()), seconds
+    quoted = " | ".join(seconds[k] for k in "1234")
+    assert f"| seconds | {quoted} |" in page
+
+
+def test_the_limits_lines_check_fails_on_inconsistent_values():
+    """limits_lines catches what it is for: a negative KL, shares that do not add up, a strict
+    accuracy above the substring reward of the same samples, and n/a outside quick mode."""
+    good = ("brakes on: held-out 42.7 -> 68.0, KL 0.021; "
+            "brakes off: held-out 42.7 -> 48.7, KL 0.134\n"
+            "gameable reward: 0.66 -> 0.73; strict accuracy of the same samples: 0.46 -> 0.37\n"
+            "zero-signal groups: too easy 78%, too hard 58%, mixed 17%; "
+            "held-out gain: too easy +2.7, too hard +18.7, mixed +24.0\n"
+            "one step at G = 8: sampling 61%, scoring 12%, update 27% of 1.43 s\n")
+    limits_lines(good)
+    for bad in (good.replace("KL 0.134", "KL -0.134"), good.replace("update 27%", "update 37%"),
+                good.replace("0.46 -> 0.37", "0.96 -> 0.37"),
+                good.replace("too easy 78%", "too easy n/a")):
+        with pytest.raises(AssertionError):
+            limits_lines(bad)
+    quick = good.replace("too easy 78%", "too easy n/a").replace("too easy +2.7", "too easy n/a")
+    limits_lines(quick,
+                 quick=True)
