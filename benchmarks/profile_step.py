@@ -46,7 +46,7 @@ PARTS = ("generation", "no-grad log-probs", "train fwd+bwd", "optimizer", "every
 
 
 def step_flops(model, prompt_lens, completion_lens, group_size: int, beta: float,
-               num_iterations: int) -> float:
+               num_iterations: int, train_passes: float = 3) -> float:
     """Matmul FLOPs of one grpo_step on these rows (real lengths, no padding), counted as 2 per
     multiply-add: generation (one prefill per prompt, then one token at a time over the growing
     context), the no-grad passes (π_ref when β != 0, π_old when μ > 1) and μ training passes at 3x a
@@ -54,7 +54,15 @@ def step_flops(model, prompt_lens, completion_lens, group_size: int, beta: float
     completions after it. Per token, a forward costs 2 x the
     Linear weights it passes through, plus causal attention's QK^T and AV: 4 x layers x
     (heads x head_dim) x the context length. Every position passes through the transformer body;
-    only the positions read pass through lm_head."""
+    only the positions read pass through lm_head. train_passes: 2 with LoRA, whose frozen weights
+    need no weight gradient (the adapters' are counted as their own Linear layers)."""
+    gen, full = flops_by_part(model, prompt_lens, completion_lens, group_size)
+    passes = (beta != 0) + (num_iterations > 1) + train_passes * num_iterations
+    return gen + passes * full
+
+
+def flops_by_part(model, prompt_lens, completion_lens, group_size: int) -> tuple[float, float]:
+    """(generation's FLOPs, one scoring pass's FLOPs) of these rows, as step_flops counts them."""
     import torch
     head = model.get_output_embeddings()
     body = sum(m.weight.numel() for m in model.modules()
@@ -77,16 +85,16 @@ def step_flops(model, prompt_lens, completion_lens, group_size: int, beta: float
     full = forward(firsts, [0] * len(firsts)) + sum(
         2 * (body + lm) * T + attn * (P * T + T * (T + 1) / 2)
         for P, T in zip(prompt_lens, completion_lens))
-    passes = (beta != 0) + (num_iterations > 1) + 3 * num_iterations
-    return flops + passes * full
+    return flops, full
 
 
-def matmul_gflops(threads: int, n: int = 1024, repeats: int = 5) -> float:
-    """This machine's fp32 matmul throughput at `threads` threads: the best of `repeats` (n x n) @
-    (n x n) products, in GFLOP/s. An upper bound on what the model's smaller matmuls reach."""
+def matmul_gflops(threads: int, n: int = 1024, repeats: int = 5, dtype=None) -> float:
+    """This machine's fp32 (or `dtype`'s) matmul throughput at `threads` threads: the best of
+    `repeats` (n x n) @ (n x n) products, in GFLOP/s. An upper bound on what the model's smaller
+    matmuls reach."""
     import torch
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b                                                           # warm-up
     best = min(_timed(lambda: a @ b) for _ in range(repeats))
     return 2 * n ** 3 / best / 1e9
@@ -96,6 +104,50 @@ def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def instrument(seams, opt, spent: dict, lengths: list):
+    """Time grpo.py's own functions from outside, adding each call's seconds to spent[part]:
+    sample_completions (generation; each batch's real prompt and output lengths appended to
+    `lengths`), the seams' scorer (no-grad log-probs without gradients, train fwd+bwd with them),
+    grpo_loss and Tensor.backward (train fwd+bwd), and opt.step and zero_grad (optimizer).
+    Returns (the seams with the timed scorer, a function that undoes the module patches)."""
+    import torch
+    import grpo
+
+    def timed(part, fn):
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                key = part(*args) if callable(part) else part
+                spent[key] += time.perf_counter() - t
+        return wrapper
+
+    real_sample, real_loss = grpo.sample_completions, grpo.grpo_loss
+    real_backward = torch.Tensor.backward
+
+    def sample_and_count(*args, **kwargs):  # also keeps each row's real prompt and output length
+        batch = real_sample(*args, **kwargs)
+        lengths.append((batch["prompt_mask"].sum(1).tolist(),
+                        batch["completion_mask"].sum(1).tolist()))
+        return batch
+
+    grpo.sample_completions = timed("generation", sample_and_count)
+    seams = dataclasses.replace(seams, score=timed(
+        lambda *a: "train fwd+bwd" if torch.is_grad_enabled() else "no-grad log-probs",
+        seams.score or grpo.token_logprobs))
+    grpo.grpo_loss = timed("train fwd+bwd", real_loss)
+    opt.step = timed("optimizer", opt.step)
+    opt.zero_grad = timed("optimizer", opt.zero_grad)
+    # backward() is called on the loss inside grpo_step; time it by wrapping Tensor.backward.
+    torch.Tensor.backward = timed("train fwd+bwd", real_backward)
+
+    def restore():
+        grpo.sample_completions, grpo.grpo_loss = real_sample, real_loss
+        torch.Tensor.backward = real_backward
+    return seams, restore
 
 
 def profile(model_dir: str, group_size: int, prompts: int, tokens: int, steps: int, warmup: int,
@@ -123,38 +175,8 @@ def profile(model_dir: str, group_size: int, prompts: int, tokens: int, steps: i
     engine.compile_layers(ecfg, False, policy, ref)  # --compile on: as train_gsm8k.py does it
     opt = grpo.make_optimizer(policy, cfg)
 
-    spent = dict.fromkeys(PARTS, 0.0)
-
-    def timed(part, fn):
-        def wrapper(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                key = part(*args) if callable(part) else part
-                spent[key] += time.perf_counter() - t
-        return wrapper
-
-    real_sample, real_loss = grpo.sample_completions, grpo.grpo_loss
-    lengths = []
-
-    def sample_and_count(*args, **kwargs):  # also keeps each row's real prompt and output length
-        batch = real_sample(*args, **kwargs)
-        lengths.append((batch["prompt_mask"].sum(1).tolist(),
-                        batch["completion_mask"].sum(1).tolist()))
-        return batch
-
-    grpo.sample_completions = timed("generation", sample_and_count)
-    seams = dataclasses.replace(seams, score=timed(
-        lambda *a: "train fwd+bwd" if torch.is_grad_enabled() else "no-grad log-probs",
-        seams.score or grpo.token_logprobs))
-    grpo.grpo_loss = timed("train fwd+bwd", real_loss)
-    opt.step = timed("optimizer", opt.step)
-    opt.zero_grad = timed("optimizer", opt.zero_grad)
-    # backward() is called on the loss inside grpo_step; time it by wrapping Tensor.backward.
-    real_backward = torch.Tensor.backward
-    torch.Tensor.backward = timed("train fwd+bwd", real_backward)
-
+    spent, lengths = dict.fromkeys(PARTS, 0.0), []
+    seams, restore = instrument(seams, opt, spent, lengths)
     rows = rows_for((warmup + steps) * prompts)
     per_step = {k: [] for k in (*PARTS, "total", "flops")}
     try:
@@ -175,9 +197,7 @@ def profile(model_dir: str, group_size: int, prompts: int, tokens: int, steps: i
                 per_step["flops"].append(step_flops(policy, *lengths[-1], group_size, beta,
                                                     num_iterations))
     finally:
-        grpo.sample_completions = real_sample
-        grpo.grpo_loss = real_loss
-        torch.Tensor.backward = real_backward
+        restore()
     out = {k: statistics.median(v) for k, v in per_step.items()}
     out["peak_rss_mb"] = peak_rss_mb()
     out["matmul_gflops"] = matmul_gflops(threads)

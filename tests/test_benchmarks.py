@@ -288,3 +288,24 @@ def test_limits_sweep_runs_both_experiments_and_refuses_a_bad_setting(tmp_path, 
     with pytest.raises(SystemExit) as e:
         limits_sweep.main(["brakes", "--settings", "4"])
     assert e.value.code == 2 and "a setting is μ:lr" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_profile_preset_splits_a_runs_step_and_sets_it_beside_its_floors(tmp_path, monkeypatch):
+    """benchmarks/profile_preset.py on the tiny preset (a 20-step warm start, 2 prompts, one
+    measured step after one warm-up): its parts add up to the step (everything else is the rest, a
+    small positive share), every part that runs took time, and the floors are positive and below
+    the step: the FLOP floor of generation and of the passes, the bytes decoding reads."""
+    monkeypatch.setenv("GRPO_TINY_CACHE", str(tmp_path / "cache"))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import profile_preset
+    r = profile_preset.main(["--preset", "tiny", "--steps", "1", "--warmup", "1",
+                             "--out", str(tmp_path / "p.jsonl"), "--", "--warm-start-steps", "20",
+                             "--prompts-per-step", "2", "--eval-size", "2"])
+    parts = ["generation", "no-grad log-probs", "train fwd+bwd", "optimizer", "everything else"]
+    assert abs(sum(r[k] for k in parts) - r["total"]) < 1e-9
+    assert all(r[k] > 0 for k in parts[:4]) and 0 <= r["everything else"] < 0.5 * r["total"]
+    assert 0 < r["gen_floor_flops_s"] and 0 < r["gen_floor_bytes_s"] and 0 < r["passes_floor_s"]
+    assert 0 < r["floor_s"] < r["total"] and r["ratio_to_floor"] > 1
+    assert r["decode_steps"] >= 1 and r["sampler"] in ("engine", "compiled", "plain")
+    assert json.loads((tmp_path / "p.jsonl").read_text())["total"] == r["total"]
