@@ -100,16 +100,18 @@ def main(argv=None):
 
     lines = []
     runs = [("on", BRAKES["on"])] if gaming else list(BRAKES.items())
+    # gaming: trained on the gameable reward, the strict check scored beside it at weight 0
+    weights = dict(reward_weights=[1.0, 0.0]) if gaming else {}
+    funcs = ([contains_answer, rewards.correctness_reward] if gaming
+             else [rewards.correctness_reward])
+    # WHY once: every run starts from the warm start, and greedy decoding reads no lr, μ or brakes
+    before = heldout(policy0, grpo.GRPOConfig(**preset))
     for mu, lr in settings:
         for label, brakes in runs:
-            weights = dict(reward_weights=[1.0, 0.0]) if gaming else {}
-            funcs = [contains_answer, rewards.correctness_reward] if gaming else \
-                [rewards.correctness_reward]
             cfg = grpo.GRPOConfig(**preset, lr=lr, num_iterations=mu, **brakes, **weights)
             torch.manual_seed(0)
             policy = grpo.disable_dropout(copy.deepcopy(policy0))
             ref, opt = grpo.make_reference(policy), grpo.make_optimizer(policy, cfg)
-            before = heldout(policy, cfg)
             log = []
             for s in range(steps):
                 prompts, columns = tasks.prompts_and_columns(tok, train_rows[16 * s:16 * (s + 1)])

@@ -36,7 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from profile_step import PARTS, flops_by_part, instrument, matmul_gflops  # noqa: E402
+from profile_step import (PARTS, flops_by_part, instrument, matmul_gflops,  # noqa: E402
+                          parts_of, scoring_passes)
 from vs_trl import peak_rss_mb  # noqa: E402
 
 
@@ -77,21 +78,17 @@ def profile_preset(preset: str, steps: int, warmup: int, flags: list[str]) -> di
                 t = time.perf_counter()
                 run.step(step)
                 total = time.perf_counter() - t
+                if step <= warmup:
+                    continue
                 calls = lengths[first:]                   # this step's sampling calls
                 P = [p for c in calls for p in c[0]]
                 T = [n for c in calls for n in c[1]]
                 gen, one_pass = flops_by_part(policy, P, T, gcfg.group_size)
-                if step > warmup:
-                    for k in PARTS[:-1]:
-                        per_step[k].append(spent[k])
-                    per_step["everything else"].append(total - sum(spent[k]
-                                                                   for k in PARTS[:-1]))
-                    per_step["total"].append(total)
-                    per_step["gen_flops"].append(gen)
-                    passes = ((gcfg.beta != 0) + (gcfg.num_iterations > 1)
-                              + (2 if lora else 3) * gcfg.num_iterations)
-                    per_step["pass_flops"].append(passes * one_pass)
-                    per_step["decode_steps"].append(sum(max(c[1]) for c in calls))
+                passes = scoring_passes(gcfg.beta, gcfg.num_iterations, 2 if lora else 3)
+                for k, v in {**parts_of(spent, total), "gen_flops": gen,
+                             "pass_flops": passes * one_pass,
+                             "decode_steps": sum(max(c[1]) for c in calls)}.items():
+                    per_step[k].append(v)
         finally:
             restore()
     out = {k: statistics.median(v) for k, v in per_step.items()}
@@ -104,17 +101,12 @@ def profile_preset(preset: str, steps: int, warmup: int, flags: list[str]) -> di
                trainable=sum(p.numel() for p in policy.parameters() if p.requires_grad),
                gen_floor_flops_s=gen_flop_s, gen_floor_bytes_s=gen_byte_s,
                passes_floor_s=out["pass_flops"] / (gflops * 1e9),
-               sampler=engine_sampler(run), peak_rss_mb=peak_rss_mb(),
+               sampler=run.sampler()["used"], peak_rss_mb=peak_rss_mb(),
                group_size=gcfg.group_size, prompts=run.tcfg.prompts_per_step,
                max_new_tokens=gcfg.max_new_tokens)
     out["floor_s"] = out["passes_floor_s"] + max(gen_flop_s, gen_byte_s)
     out["ratio_to_floor"] = out["total"] / out["floor_s"]
     return out
-
-
-def engine_sampler(run) -> str:
-    """The decode loop that sampled (compiled, engine, or grpo.py's own)."""
-    return run.sampler()["used"]
 
 
 def print_table(r: dict):

@@ -57,8 +57,13 @@ def step_flops(model, prompt_lens, completion_lens, group_size: int, beta: float
     only the positions read pass through lm_head. train_passes: 2 with LoRA, whose frozen weights
     need no weight gradient (the adapters' are counted as their own Linear layers)."""
     gen, full = flops_by_part(model, prompt_lens, completion_lens, group_size)
-    passes = (beta != 0) + (num_iterations > 1) + train_passes * num_iterations
-    return gen + passes * full
+    return gen + scoring_passes(beta, num_iterations, train_passes) * full
+
+
+def scoring_passes(beta: float, num_iterations: int, train_passes: float = 3) -> float:
+    """How many forward passes' worth of scoring a step runs: π_ref's (β != 0), π_old's (μ > 1)
+    and μ training passes at `train_passes` forwards each."""
+    return (beta != 0) + (num_iterations > 1) + train_passes * num_iterations
 
 
 def flops_by_part(model, prompt_lens, completion_lens, group_size: int) -> tuple[float, float]:
@@ -104,6 +109,13 @@ def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def parts_of(spent: dict, total: float) -> dict:
+    """A step's seconds by part (PARTS), from what instrument timed and the step's wall time:
+    everything else is the rest, and the total."""
+    timed = {k: spent[k] for k in PARTS[:-1]}
+    return {**timed, "everything else": total - sum(timed.values()), "total": total}
 
 
 def instrument(seams, opt, spent: dict, lengths: list):
@@ -190,10 +202,8 @@ def profile(model_dir: str, group_size: int, prompts: int, tokens: int, steps: i
                            columns={"answer": [r["answer"] for r in batch]}, seams=seams)
             total = time.perf_counter() - t
             if step >= warmup:
-                for k in PARTS[:-1]:
-                    per_step[k].append(spent[k])
-                per_step["everything else"].append(total - sum(spent[k] for k in PARTS[:-1]))
-                per_step["total"].append(total)
+                for k, v in parts_of(spent, total).items():
+                    per_step[k].append(v)
                 per_step["flops"].append(step_flops(policy, *lengths[-1], group_size, beta,
                                                     num_iterations))
     finally:
