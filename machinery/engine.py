@@ -49,6 +49,7 @@ from typing import Literal
 import torch
 
 import grpo
+from machinery import lora
 
 
 @dataclass
@@ -70,6 +71,10 @@ class EngineConfig:
     sample_batch_size: int = 0
     """Sample at most this many completions at a time (in_batches), so the KV cache holds only
     theirs; other draws from the same seed, the same distribution. 0: all N at once."""
+    merge_adapters: bool = True
+    """With LoRA: sample from the adapters merged into the weights (lora.merged_weights), one
+    product a layer, not PEFT's three; the base weights are put back untouched after each call.
+    The same distribution, the same tokens to float rounding (docs/real_model.md: what it buys)."""
     min_new_tokens: int = 0
     """Force at least this many new tokens (0 = off). Only for benchmarks that need equal work
     (benchmarks/vs_trl.py sets it to max_new_tokens on both sides). It changes the distribution."""
@@ -90,6 +95,8 @@ def apply(cfg: EngineConfig, seams: grpo.Seams, eos_ids: list[int], pad_id: int)
     if cfg.min_new_tokens:
         sample = at_least(sample, cfg.min_new_tokens, eos_ids)
     sample = in_batches(sample, cfg.sample_batch_size, pad_id)
+    if cfg.merge_adapters:  # NOTE: outermost, so that a step merges once for all its batches
+        sample = lora.sample_merged(sample)
     return replace(seams, sample=sample,
                    score=shared_token_logprobs if cfg.share_prompts else seams.score)
 

@@ -43,6 +43,15 @@ import grpo
 from machinery.engine import base_model
 
 
+def slow_bf16_cpu(device_type: str) -> bool:
+    """True on a CPU with neither AVX512_BF16 nor AMX: there bf16 matmuls are emulated and --bf16
+    can be slower than fp32 (on the 2-core AMD EPYC, with AVX512_BF16, they run at 2.2x fp32's)."""
+    if device_type != "cpu":
+        return False
+    native = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    return not (native or getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
 def under_autocast(fn, device_type: str):
     """`fn`, run inside a bf16 autocast region of its own: what it computes is autocast's, and
     autocast's cached bf16 copies of the weights are dropped when it returns (the region ends).

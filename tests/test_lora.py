@@ -99,6 +99,61 @@ def test_the_merged_model_is_a_plain_model_that_from_pretrained_loads(models, tm
     torch.testing.assert_close(logits(plain, tok), want, rtol=1e-5, atol=1e-5)
 
 
+def trained_adapters(policy, seed=1):
+    """Give every adapter random B (PEFT starts it at zero), so merging has something to add."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return policy
+
+
+@pytest.mark.parametrize("name", ["engine", "plain"])
+def test_sampling_merged_draws_the_unmerged_tokens_and_leaves_the_base_untouched(models, name):
+    """lora.sample_merged (EngineConfig.merge_adapters): from the same seed, the same tokens as
+    PEFT's unmerged layers, and log-probs within float rounding; inside, one forward's logits
+    equal the unmerged policy's within 1e-5; afterwards every base weight is the very tensor it
+    was, unchanged, and the adapters are on again."""
+    from test_engine import sampler
+    tok, _, policy = models
+    trained_adapters(policy)
+    base = {n: (p, p.clone()) for n, p in policy.named_parameters() if "base_layer" in n}
+    assert len(base) == 2 * 7                       # q, k, v, o, gate, up, down in 2 layers
+    want = logits(policy, tok)
+    assert not torch.allclose(want, logits(lora.AdaptersOff(policy), tok), atol=1e-3)
+    with lora.merged_weights(policy):
+        torch.testing.assert_close(logits(policy, tok), want, rtol=1e-5, atol=1e-5)
+    for n, (p, before) in base.items():
+        got = dict(policy.named_parameters())[n]
+        assert got is p and torch.equal(got, before), n
+    torch.testing.assert_close(logits(policy, tok), want, rtol=0, atol=0)
+
+    cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=24, temperature=1.0)
+    runs = []
+    for sample in (sampler(policy, tok, name), lora.sample_merged(sampler(policy, tok, name))):
+        torch.manual_seed(0)
+        runs.append(grpo.sample_completions(policy, tok, PROMPTS, cfg, sample=sample))
+    assert torch.equal(runs[0]["completion_ids"], runs[1]["completion_ids"])
+    assert runs[0]["completion_mask"].sum() > 3 * len(PROMPTS) * 4     # not all stopped at once
+    torch.testing.assert_close(runs[1]["sampler_logp"], runs[0]["sampler_logp"],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_merged_under_bf16_autocast_stays_within_bf16_rounding():
+    """A bf16 base (--bf16 --lora-r): merged in fp32 and rounded once to bf16, one forward's
+    logits under autocast stay within bf16's rounding of the unmerged policy's."""
+    tok = tiny_world.char_tokenizer()
+    policy = trained_adapters(lora.add_adapters(
+        tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0), 4, 8, bf16_base=True))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = logits(policy, tok).float()
+        with lora.merged_weights(policy):
+            got = logits(policy, tok).float()
+    assert got.dtype == want.dtype and not torch.equal(got, want)
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+
+
 def test_bf16_base_keeps_fp32_adapters():
     tok = tiny_world.char_tokenizer()
     policy = lora.add_adapters(tiny_world.tiny_llama(tok, hidden=32, layers=1, heads=2), 4, 8,

@@ -432,6 +432,45 @@ def test_return_freed_memory_makes_glibc_give_freed_blocks_back():
     assert freed["off"] < 10 and freed["on"] > 50 and freed["after"] > 50, freed
 
 
+def test_keep_freed_memory_keeps_a_freed_large_tensor_for_reuse():
+    """In a fresh process: a 302 MB tensor (a micro-batch's logits in the smollm2-135m preset)
+    comes from a fresh mmap under glibc's defaults, so freeing it gives its pages back and the next
+    one is page-faulted in again; after memory.keep_freed_memory (MemoryConfig.keep_freed_memory)
+    it comes from glibc's heap, whose freed memory stays with the process (RSS does not fall), for
+    later blocks to reuse. Linux with glibc only."""
+    import os
+    import platform
+    import subprocess
+    import sys
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc's malloc only")
+    script = "\n".join([
+        "import sys, torch",
+        "from machinery import memory",
+        "def rss():",
+        "    line = [x for x in open('/proc/self/status') if x.startswith('VmRSS:')][0]",
+        "    return int(line.split()[1]) / 1024",
+        "if sys.argv[1] == 'on':",
+        "    memory.keep_freed_memory()",
+        "x = torch.ones(16 * 96, 49152)",
+        "before = rss()",
+        "del x",
+        "print(before - rss())"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(memory.__file__)))
+    freed = {}
+    for flag in ("off", "on"):
+        out = subprocess.run([sys.executable, "-c", script, flag], env=env, text=True,
+                             capture_output=True, check=True)
+        freed[flag] = float(out.stdout.split()[-1])
+    assert freed["off"] > 250 and abs(freed["on"]) < 10, freed
+
+
+def test_return_and_keep_freed_memory_are_refused_together():
+    with pytest.raises(ValueError, match="opposites"):
+        memory.MemoryConfig(return_freed_memory=True, keep_freed_memory=True)
+
+
 def saved_bytes(model, b):
     """Bytes autograd keeps for backward in one forward: each distinct storage once, parameters
     left out (torch.autograd.graph.saved_tensors_hooks)."""

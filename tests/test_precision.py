@@ -313,3 +313,18 @@ def test_bf16_sampling_casts_each_weight_once_a_decode_and_draws_the_same_tokens
     assert 0 < one and many == one, results  # each weight once, however many tokens
     # NOTE: inference_mode's casts do not reach a dispatch mode, so they are not counted here;
     #       that they cost a cast a weight and token is measured (gpu_check.py bf16-sampling).
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_on_a_cpu_without_native_bf16_says_so_in_one_line(task_dir, tmp_path, monkeypatch,
+                                                               capsys, native):
+    """--bf16 on a CPU with neither AVX512_BF16 nor AMX (bf16 emulated, maybe slower than fp32)
+    prints one note naming --no-bf16; on one that has either, nothing."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert precision.slow_bf16_cpu("cpu") is not native and not precision.slow_bf16_cpu("cuda")
+    bf16_run(task_dir, tmp_path / "run")
+    notes = [line for line in capsys.readouterr().out.splitlines() if "AVX512_BF16" in line]
+    assert notes == ([] if native else [
+        "note: this CPU has neither AVX512_BF16 nor AMX, so --bf16 may run slower than fp32 "
+        "here; --no-bf16 turns it off"])
