@@ -5,6 +5,7 @@ model, LoRA, chat template, sampler and batch sizes), beside the floors the hard
     python benchmarks/profile_preset.py --preset smollm2-135m            # 3 steps, ~5 min, 2 cores
     python benchmarks/profile_preset.py --preset tiny --steps 2 --warmup 1
     python benchmarks/profile_preset.py --preset smollm2-135m -- --compile on   # any train flag
+    python benchmarks/profile_preset.py --preset smollm2-135m --ops 12   # + torch.profiler's top
 
 The run is train_gsm8k.setup's, in a temporary folder; its steps are run.step's, timed from outside
 by profile_step.instrument (nothing in the code path changes to be measured):
@@ -56,13 +57,28 @@ def copy_gbs(mb: int = 256, repeats: int = 5) -> float:
     return 2 * a.numel() * 4 / best / 1e9
 
 
-def profile_preset(preset: str, steps: int, warmup: int, flags: list[str]) -> dict:
+def top_ops(run, step: int, n: int) -> list[dict]:
+    """Step `step` of `run` once more under torch.profiler: its `n` costliest operators by CPU time
+    spent in them (self time, summed over both threads' work as the profiler counts it), each
+    with its calls. The profiler's own overhead slows that step, so only the shares compare."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run.step(step)
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events)
+    return [{"op": e.key, "self_s": e.self_cpu_time_total / 1e6, "calls": e.count,
+             "share": e.self_cpu_time_total / total} for e in events[:n]]
+
+
+def profile_preset(preset: str, steps: int, warmup: int, flags: list[str], ops: int = 0) -> dict:
     """Median seconds of each part over `steps` steps of the preset's run after `warmup`, the
-    floors, the peak RSS and the run's settings."""
+    floors, the peak RSS and the run's settings; with ops > 0, one more step's top operators
+    (top_ops)."""
     import torch
     import train_gsm8k
     with tempfile.TemporaryDirectory() as tmp:
-        configs = train_gsm8k.parse_args(["--preset", preset, "--steps", str(warmup + steps),
+        configs = train_gsm8k.parse_args(["--preset", preset,
+                                          "--steps", str(warmup + steps + (ops > 0)),
                                           "--out", str(Path(tmp) / "run"), *flags])
         run = train_gsm8k.setup(configs)
         spent, lengths = dict.fromkeys(PARTS, 0.0), []
@@ -91,7 +107,10 @@ def profile_preset(preset: str, steps: int, warmup: int, flags: list[str]) -> di
                     per_step[k].append(v)
         finally:
             restore()
+        top = top_ops(run, warmup + steps + 1, ops) if ops else []
     out = {k: statistics.median(v) for k, v in per_step.items()}
+    if top:
+        out["top_ops"] = top
     gflops, gbs = matmul_gflops(torch.get_num_threads()), copy_gbs()
     gen_flop_s = out["gen_flops"] / (gflops * 1e9)
     gen_byte_s = out["decode_steps"] * weights * 4 / (gbs * 1e9)
@@ -127,6 +146,11 @@ def print_table(r: dict):
           f"{r['copy_gbs']:.1f} GB/s); scoring and training: {r['pass_flops'] / 1e12:.2f} TFLOP "
           f"({r['passes_floor_s']:.2f} s). The step takes {r['ratio_to_floor']:.1f}x its floor. "
           f"bf16 matmuls here: {r['matmul_gflops_bf16']:.0f} GFLOP/s.")
+    if r.get("top_ops"):
+        print("\nOne more step under torch.profiler, its costliest operators (self CPU time):\n")
+        print("| operator | s | share | calls |\n|---|---|---|---|")
+        for o in r["top_ops"]:
+            print(f"| {o['op']} | {o['self_s']:.2f} | {100 * o['share']:.1f}% | {o['calls']} |")
 
 
 def main(argv=None):
@@ -136,13 +160,15 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3, help="measured steps (default 3)")
     ap.add_argument("--warmup", type=int, default=0,
                     help="unmeasured first steps (default 0: a run's first step counts too)")
+    ap.add_argument("--ops", type=int, default=0, metavar="N",
+                    help="then one more step under torch.profiler: its N costliest operators")
     ap.add_argument("--out", type=Path, help="also write the JSON line here")
     ap.add_argument("flags", nargs="*", help="after --: more train_gsm8k.py flags")
     a = ap.parse_args(argv)
-    if a.steps < 1 or a.warmup < 0:
-        ap.error("--steps must be at least 1, --warmup at least 0")
+    if a.steps < 1 or a.warmup < 0 or a.ops < 0:
+        ap.error("--steps must be at least 1, --warmup and --ops at least 0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    r = profile_preset(a.preset, a.steps, a.warmup, a.flags)
+    r = profile_preset(a.preset, a.steps, a.warmup, a.flags, a.ops)
     print_table(r)
     print(json.dumps(r))
     if a.out:

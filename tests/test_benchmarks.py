@@ -295,11 +295,12 @@ def test_profile_preset_splits_a_runs_step_and_sets_it_beside_its_floors(tmp_pat
     """benchmarks/profile_preset.py on the tiny preset (a 20-step warm start, 2 prompts, one
     measured step after one warm-up): its parts add up to the step (everything else is the rest, a
     small positive share), every part that runs took time, and the floors are positive and below
-    the step: the FLOP floor of generation and of the passes, the bytes decoding reads."""
+    the step: the FLOP floor of generation and of the passes, the bytes decoding reads; --ops
+    adds one more step's costliest operators."""
     monkeypatch.setenv("GRPO_TINY_CACHE", str(tmp_path / "cache"))
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import profile_preset
-    r = profile_preset.main(["--preset", "tiny", "--steps", "1", "--warmup", "1",
+    r = profile_preset.main(["--preset", "tiny", "--steps", "1", "--warmup", "1", "--ops", "4",
                              "--out", str(tmp_path / "p.jsonl"), "--", "--warm-start-steps", "20",
                              "--prompts-per-step", "2", "--eval-size", "2"])
     parts = ["generation", "no-grad log-probs", "train fwd+bwd", "optimizer", "everything else"]
@@ -309,3 +310,9 @@ def test_profile_preset_splits_a_runs_step_and_sets_it_beside_its_floors(tmp_pat
     assert 0 < r["floor_s"] < r["total"] and r["ratio_to_floor"] > 1
     assert r["decode_steps"] >= 1 and r["sampler"] in ("engine", "compiled", "plain")
     assert json.loads((tmp_path / "p.jsonl").read_text())["total"] == r["total"]
+    # --ops 4: one more step under torch.profiler, its four costliest operators, costliest first
+    top = r["top_ops"]
+    assert len(top) == 4 and all(o["calls"] >= 1 and o["self_s"] > 0 for o in top)
+    assert [o["self_s"] for o in top] == sorted((o["self_s"] for o in top), reverse=True)
+    assert 0 < sum(o["share"] for o in top) <= 1
+    assert any(o["op"] in ("aten::mm", "aten::addmm", "aten::bmm") for o in top), top
