@@ -394,6 +394,21 @@ def test_update_in_backward_with_more_than_one_micro_batch_is_refused():
     assert all(torch.equal(b, p) for b, p in zip(before, policy.parameters())) and not opt.state
 
 
+def glibc_script(*lines: str) -> str:
+    """A script for a fresh process that reads its own RSS in MB (rss()), with `lines` after the
+    imports; the test skips where glibc's malloc is not the allocator."""
+    import platform
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("glibc's malloc only")
+    return "\n".join([
+        "import sys, torch",
+        "from machinery import memory",
+        "def rss():",
+        "    line = [x for x in open('/proc/self/status') if x.startswith('VmRSS:')][0]",
+        "    return int(line.split()[1]) / 1024",
+        *lines])
+
+
 def test_return_freed_memory_makes_glibc_give_freed_blocks_back():
     """In a fresh process: freeing a 16 MB tensor raises glibc's mmap threshold to 16 MB, so the
     next 2 MB blocks come from the heap, and freeing all but the last keeps their ~62 MB in RSS.
@@ -402,17 +417,9 @@ def test_return_freed_memory_makes_glibc_give_freed_blocks_back():
     glibc only (the function does nothing elsewhere). The three processes run at once; each reads
     its own RSS."""
     import os
-    import platform
     import subprocess
     import sys
-    if platform.libc_ver()[0] != "glibc":
-        pytest.skip("glibc's malloc only")
-    script = "\n".join([
-        "import sys, torch",
-        "from machinery import memory",
-        "def rss():",
-        "    line = [x for x in open('/proc/self/status') if x.startswith('VmRSS:')][0]",
-        "    return int(line.split()[1]) / 1024",
+    script = glibc_script(
         "if sys.argv[1] == 'on':",
         "    memory.return_freed_memory()",
         "big = torch.ones(4 << 20)",
@@ -422,7 +429,7 @@ def test_return_freed_memory_makes_glibc_give_freed_blocks_back():
         "del blocks[:-1]",
         "if sys.argv[1] == 'after':",
         "    memory.return_freed_memory()",
-        "print(before - rss())"])
+        "print(before - rss())")
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(memory.__file__)))
     runs = {flag: subprocess.Popen([sys.executable, "-c", script, flag], env=env, text=True,
@@ -439,23 +446,15 @@ def test_keep_freed_memory_keeps_a_freed_large_tensor_for_reuse():
     it comes from glibc's heap, whose freed memory stays with the process (RSS does not fall), for
     later blocks to reuse. Linux with glibc only."""
     import os
-    import platform
     import subprocess
     import sys
-    if platform.libc_ver()[0] != "glibc":
-        pytest.skip("glibc's malloc only")
-    script = "\n".join([
-        "import sys, torch",
-        "from machinery import memory",
-        "def rss():",
-        "    line = [x for x in open('/proc/self/status') if x.startswith('VmRSS:')][0]",
-        "    return int(line.split()[1]) / 1024",
+    script = glibc_script(
         "if sys.argv[1] == 'on':",
         "    memory.keep_freed_memory()",
         "x = torch.ones(16 * 96, 49152)",
         "before = rss()",
         "del x",
-        "print(before - rss())"])
+        "print(before - rss())")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(memory.__file__)))
     freed = {}
