@@ -112,11 +112,15 @@ def merged(policy):
     return policy.merge_and_unload() if is_lora(policy) else policy
 
 
+def active_adapters(layer) -> list[str]:
+    """The names of a PEFT LoRA layer's active adapters that this layer holds."""
+    return [a for a in layer.active_adapters if a in layer.lora_A]
+
+
 def lora_layers(policy) -> list:
     """The policy's PEFT LoRA layers that hold an active adapter (each wraps one base Linear)."""
     from peft.tuners.lora import LoraLayer
-    return [m for m in policy.modules() if isinstance(m, LoraLayer)
-            and any(a in m.lora_A for a in m.active_adapters)]
+    return [m for m in policy.modules() if isinstance(m, LoraLayer) and active_adapters(m)]
 
 
 @contextlib.contextmanager
@@ -135,8 +139,7 @@ def merged_weights(policy):
             for m in layers:
                 W = m.base_layer.weight                                               # (out, in)
                 # PAPER (LoRA): W' = W + (alpha/r) B A, in fp32, rounded once to W's dtype
-                delta = sum(m.get_delta_weight(a) for a in m.active_adapters
-                            if a in m.lora_A)                                         # (out, in)
+                delta = sum(m.get_delta_weight(a) for a in active_adapters(m))        # (out, in)
                 merged = (W.float() + delta.float()).to(W.dtype)                      # (out, in)
                 saved.append((m, W))
                 m.base_layer.weight = torch.nn.Parameter(merged, requires_grad=False)
@@ -153,9 +156,7 @@ def sample_merged(sample):
     the tokens are the unmerged sampler's wherever no two tokens tie to float rounding."""
     def merged_sample(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int,
                       pick):
-        if not is_lora(model):
-            return sample(model, prompt_ids, prompt_mask, group_size, max_new_tokens, pick)
-        with merged_weights(model):
+        with merged_weights(model) if is_lora(model) else contextlib.nullcontext():
             return sample(model, prompt_ids, prompt_mask, group_size, max_new_tokens, pick)
     return merged_sample
 
