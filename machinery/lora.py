@@ -53,11 +53,18 @@ def add_adapters(model, r: int, alpha: float, targets: str = DEFAULT_TARGETS,
                  bf16_base: bool = False):
     """`model` with LoRA adapters of rank r on `targets` (comma-separated module names, or
     'all-linear'); only the adapters train. PEFT scales each adapter's update by alpha / r.
-    bf16_base: cast the frozen base to bf16 first (for bf16 autocast runs); the adapters, the only
-    weights AdamW updates, stay fp32 (PEFT's autocast_adapter_dtype), so small updates survive."""
+    bf16_base: store the frozen base's Linear weights in bf16 first, for bf16 autocast runs, as
+    precision.bf16_reference stores π_ref (which the base is): the embedding, the norms, the output
+    layer and so the residual stream stay fp32, and the base computes bit for bit what autocast
+    computes from the fp32 model. The adapters, the only weights AdamW updates, stay fp32 (PEFT's
+    autocast_adapter_dtype), so small updates survive.
+    WHY not the whole base in bf16: its residual stream is then bf16, and the sampler's token-by-
+    token decoding and the trainer's one pass drift apart: over SmolLM2's first 3 steps, 4.8 to
+    6.7% of tokens >10% apart, against 1.5 to 1.8% this way (docs/real_model.md)."""
     peft = peft_module()
     if bf16_base:
-        model = model.to(torch.bfloat16)
+        from machinery import precision  # NOTE: here, as precision imports engine, which imports us
+        model = precision.bf16_reference(model)
     names = targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
     # WHY dropout 0: dropout would make π_θ a random function at μ = 1 (grpo.disable_dropout).
     config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=names, lora_dropout=0.0,
@@ -150,13 +157,24 @@ def merged_weights(policy):
             m.base_layer.weight = W
 
 
+def merge_keeps_updates(policy) -> bool:
+    """Whether merging loses nothing: every adapted layer's base weight is fp32.
+    WHY not a bf16 base (--bf16 --lora-r): W + (alpha/r) B A rounded to bf16 (8 bits of mantissa)
+    drops any part of the update under about 1/256 of W's size, which is where a few steps' updates
+    are; unmerged, PEFT adds them as a product of their own. At SmolLM2's steps 2 and 3, merged,
+    sampler and trainer put 2.4 to 2.5% of tokens >10% apart, unmerged 1.8% (docs/real_model.md)."""
+    return all(m.base_layer.weight.dtype == torch.float32 for m in lora_layers(policy))
+
+
 def sample_merged(sample):
-    """A sampler (grpo.Seams.sample's signature) that draws from a LoRA policy with its adapters
-    merged (merged_weights) and from any other model as `sample` does. The same distribution;
-    the tokens are the unmerged sampler's wherever no two tokens tie to float rounding."""
+    """A sampler (grpo.Seams.sample's signature) that draws from a LoRA policy with an fp32 base
+    with its adapters merged (merged_weights), and from any other model (a bf16 base included:
+    merge_keeps_updates) as `sample` does. The same distribution; the tokens are the unmerged
+    sampler's wherever no two tokens tie to float rounding."""
     def merged_sample(model, prompt_ids, prompt_mask, group_size: int, max_new_tokens: int,
                       pick):
-        with merged_weights(model) if is_lora(model) else contextlib.nullcontext():
+        merge = is_lora(model) and merge_keeps_updates(model)
+        with merged_weights(model) if merge else contextlib.nullcontext():
             return sample(model, prompt_ids, prompt_mask, group_size, max_new_tokens, pick)
     return merged_sample
 

@@ -151,16 +151,16 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
     lora_p = shape.lora_params(s.lora_r, s.lora_target_modules) if s.lora_r else 0
     tied = not shape.head_params                           # one (V, h) weight, input and output
     trainable = lora_p or shape.params
-    base_bytes = 2 if (s.lora_r and s.bf16) else 4        # lora.add_adapters(bf16_base=...)
+    # NOTE: under bf16, π_ref (and a LoRA base, which is π_ref) stores the blocks' Linear weights
+    #       in bf16, the output layer, the embedding and the norms in fp32 (bf16_reference)
+    bf16_saved = 2 * (shape.linear_params - (shape.head_params or shape.embed_params))
     parts = {
-        "weights": shape.params * base_bytes + lora_p * 4,
+        "weights": shape.params * 4 - (bf16_saved if (s.lora_r and s.bf16) else 0) + lora_p * 4,
         "gradients": trainable * 4,
         "optimizer": trainable * 8,                        # AdamW: exp_avg, exp_avg_sq in fp32
-        # WHY 0 with LoRA: π_ref is the base, adapters off (lora.AdaptersOff); under bf16 its
-        #     Linear weights are bf16, a tied output layer's and the rest fp32 (bf16_reference)
+        # WHY 0 with LoRA: π_ref is the base, adapters off (lora.AdaptersOff)
         "reference": 0 if (s.beta == 0 or s.lora_r) else 4 * shape.params - (
-            2 * (shape.linear_params - (0 if shape.head_params else shape.embed_params))
-            if s.bf16 else 0),
+            bf16_saved if s.bf16 else 0),
         # NOTE: autocast keeps a bf16 copy of each fp32 weight it casts for its region (a whole
         #       decode, a scoring pass: precision.autocast_seams) and backward keeps them saved
         "autocast copies": (2 * (lora_p if s.lora_r else shape.linear_params) if s.bf16 else 0),
@@ -208,7 +208,8 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
     if critic:  # NOTE: PPO: a value model the policy's size, a scalar head for the output layer
         c_params = shape.params - shape.head_params + h
         c_trainable = lora_p + h if s.lora_r else c_params
-        parts.update({"critic weights": c_params * base_bytes + lora_p * 4,
+        parts.update({"critic weights": c_params * 4 - (bf16_saved if (s.lora_r and s.bf16)
+                                                          else 0) + lora_p * 4,
                       "critic gradients": c_trainable * 4, "critic optimizer": c_trainable * 8,
                       "critic autocast copies": parts["autocast copies"],
                       "critic activations": parts["activations"]})  # the same blocks, no logits

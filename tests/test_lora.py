@@ -16,7 +16,7 @@ import torch
 peft = pytest.importorskip("peft", reason="LoRA needs peft (pip install peft)")
 
 import grpo  # noqa: E402
-from machinery import lora  # noqa: E402
+from machinery import lora, precision  # noqa: E402
 from recipe import tiny_world  # noqa: E402
 import train_gsm8k  # noqa: E402
 from recipe.flags import InputError  # noqa: E402
@@ -99,13 +99,13 @@ def test_the_merged_model_is_a_plain_model_that_from_pretrained_loads(models, tm
     torch.testing.assert_close(logits(plain, tok), want, rtol=1e-5, atol=1e-5)
 
 
-def trained_adapters(policy, seed=1):
+def trained_adapters(policy, seed=1, scale=0.3):
     """Give every adapter random B (PEFT starts it at zero), so merging has something to add."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in policy.named_parameters():
             if "lora_B" in n:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+                p.copy_(scale * torch.randn(p.shape, generator=g))
     return policy
 
 
@@ -122,6 +122,7 @@ def test_sampling_merged_draws_the_unmerged_tokens_and_leaves_the_base_untouched
     assert len(base) == 2 * 7                       # q, k, v, o, gate, up, down in 2 layers
     want = logits(policy, tok)
     assert not torch.allclose(want, logits(lora.AdaptersOff(policy), tok), atol=1e-3)
+    assert lora.merge_keeps_updates(policy)                 # an fp32 base: sample_merged merges
     with lora.merged_weights(policy):
         torch.testing.assert_close(logits(policy, tok), want, rtol=1e-5, atol=1e-5)
     for n, (p, before) in base.items():
@@ -140,27 +141,51 @@ def test_sampling_merged_draws_the_unmerged_tokens_and_leaves_the_base_untouched
                                rtol=1e-5, atol=1e-5)
 
 
-def test_sampling_merged_under_bf16_autocast_stays_within_bf16_rounding():
-    """A bf16 base (--bf16 --lora-r): merged in fp32 and rounded once to bf16, one forward's
-    logits under autocast stay within bf16's rounding of the unmerged policy's."""
+@pytest.mark.parametrize("name", ["engine", "plain"])
+def test_a_bf16_base_samples_unmerged_as_merging_would_drop_small_updates(name):
+    """--bf16 --lora-r: W + (alpha/r) B A rounded to bf16 loses an update well under W's bf16
+    resolution (most of what one forward's logits moved by), so lora.sample_merged leaves a
+    bf16 base unmerged: under autocast its tokens and log-probs are the unmerged sampler's, bit for
+    bit."""
+    from test_engine import sampler
     tok = tiny_world.char_tokenizer()
     policy = trained_adapters(lora.add_adapters(
-        tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0), 4, 8, bf16_base=True))
+        tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0), 4, 8, bf16_base=True),
+        scale=1e-4)
+    assert not lora.merge_keeps_updates(policy)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        want = logits(policy, tok).float()
+        base, unmerged = logits(lora.AdaptersOff(policy), tok), logits(policy, tok)
         with lora.merged_weights(policy):
-            got = logits(policy, tok).float()
-    assert got.dtype == want.dtype and not torch.equal(got, want)
-    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+            merged = logits(policy, tok)
+    moved = (unmerged - base).abs().max()
+    assert moved > 0 and (merged - unmerged).abs().max() > 0.5 * moved
+
+    cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=24, temperature=1.0)
+    runs = []
+    for sample in (sampler(policy, tok, name), lora.sample_merged(sampler(policy, tok, name))):
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            runs.append(grpo.sample_completions(policy, tok, PROMPTS, cfg, sample=sample))
+    assert torch.equal(runs[0]["completion_ids"], runs[1]["completion_ids"])
+    assert torch.equal(runs[0]["sampler_logp"], runs[1]["sampler_logp"])
 
 
-def test_bf16_base_keeps_fp32_adapters():
+def test_bf16_base_keeps_fp32_adapters_and_residual_stream():
+    """--bf16 --lora-r: the adapters and everything outside the blocks' Linear layers (embedding,
+    norms, output layer) stay fp32, so under autocast the base (adapters off, B = 0) computes bit
+    for bit what autocast computes from the fp32 model: at step 1, sampler, trainer, π_ref agree."""
     tok = tiny_world.char_tokenizer()
-    policy = lora.add_adapters(tiny_world.tiny_llama(tok, hidden=32, layers=1, heads=2), 4, 8,
-                               bf16_base=True)
+    fp32 = precision.fp32_logits(tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0))
+    policy = lora.add_adapters(copy.deepcopy(fp32), 4, 8, bf16_base=True)
     dtypes = {p.dtype for n, p in policy.named_parameters() if "lora_" in n}
-    frozen = {p.dtype for n, p in policy.named_parameters() if "lora_" not in n}
-    assert dtypes == {torch.float32} and frozen == {torch.bfloat16}
+    linear = {n for n, m in policy.named_modules() if isinstance(m, torch.nn.Linear)}
+    bf16 = {n for n, p in policy.named_parameters() if p.dtype == torch.bfloat16}
+    assert dtypes == {torch.float32}
+    assert bf16 and all(n.rsplit(".", 1)[0] in linear for n in bf16)  # a Linear's weight
+    assert policy.get_input_embeddings().weight.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = logits(fp32, tok), logits(policy, tok)
+    assert torch.equal(got, want)
 
 
 def test_missing_peft_and_a_bad_target_are_one_line_errors(monkeypatch, tmp_path):

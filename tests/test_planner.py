@@ -127,6 +127,9 @@ def test_each_switch_moves_its_part():
     # + 3 * 64 * 256) = 131,072, in bf16; the tied embedding and the norms in fp32
     assert bf16["autocast copies"] > 0
     assert bf16["reference"] == base["parts"]["reference"] - 2 * 131_072
+    # a LoRA base under bf16 is π_ref, stored the same way (lora.add_adapters(bf16_base=True))
+    lora16 = planner.step_memory(shape, replace(s, bf16=True, lora_r=4))["parts"]
+    assert lora16["weights"] == lora_["weights"] - 2 * 131_072
     two = planner.step_memory(shape, replace(s, micro_batch_size=2))
     assert two["parts"]["activations"] < base["parts"]["activations"]
     ppo = planner.step_memory(shape, s, critic=True)
