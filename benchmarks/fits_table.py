@@ -65,8 +65,8 @@ def main(argv=None):
           f"prompt + {s.max_new_tokens} completion tokens, sampled {s.sample_batch_size or 'all'} "
           f"at a time, micro-batch {s.micro_batch_size}, bf16 "
           f"autocast (fp32 master weights and AdamW state; a LoRA base's Linear weights in bf16), "
-          f"gradient checkpointing, log-probs in chunks of 1,024, beta 0.04; a card fits a run if the peak "
-          f"plus {planner.CUDA_RESERVE / planner.GiB:.0f} GiB for CUDA fits it.\n")
+          f"gradient checkpointing, log-probs in chunks of 1,024, beta 0.04; a card fits a run if "
+          f"the peak plus {planner.CUDA_RESERVE / planner.GiB:.0f} GiB for CUDA fits it.\n")
     methods = list(dict.fromkeys(r["method"] for r in rows))
     print("| model | " + " | ".join(methods) + " |\n|---|" + "---|" * len(methods))
     for name in MODELS:

@@ -12,10 +12,11 @@ and each is a switch of MemoryConfig (train_gsm8k.py --help shows them in their 
 grpo.py knows none of them: the chunked scorer and the update inside backward reach it through
 grpo.Seams, the others act on the model or around the step.
 
-What each buys, measured (docs/memory.md; the 2-core Intel Xeon CPU, torch 2.13, at Qwen2.5-0.5B's
-architecture unless stated): chunks keep at most `chunk` tokens' logits, where one 512-token
-completion's are 311 MB at Qwen's vocabulary; lean activations keep 2 i + 2 h fewer floats a token
-and block (0.45 GB for 1,000 tokens without checkpointing); the update inside backward never holds
+What each buys, measured (docs/memory.md, benchmarks/results/memory/README.md; the 2-core Intel
+Xeon CPU, torch 2.13, at Qwen2.5-0.5B's architecture unless stated): chunks keep at most `chunk`
+tokens' logits, where one 512-token completion's are 311 MB at Qwen's vocabulary; lean
+activations keep 2 i + 2 h fewer floats a token and block (0.45 GB for 1,000 tokens without
+checkpointing); the update inside backward never holds
 the whole model's gradients at once, for a second backward pass; offloading pays only on a GPU
 (a projection there: no GPU has measured it).
 

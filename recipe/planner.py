@@ -15,7 +15,7 @@ pruned to those still needed).
 How far to trust it: the counts behind each part are written beside it in step_memory, and the
 whole prediction is checked against measured peaks on a CPU (benchmarks/memory_parts.py
 --plan-check, at three sizes up to Qwen2.5-0.5B's architecture, full, LoRA, chunked, checkpointed;
-docs/memory.md has the table). On a GPU it is a projection until benchmarks/gpu_check.sh has
+docs/planner.md has the table). On a GPU it is a projection until benchmarks/gpu_check.sh has
 measured it there. Its model is of Llama- and Qwen-style blocks (SwiGLU MLP); for others it is
 an estimate.
 """
@@ -142,7 +142,7 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
         critic backward  PPO only: the value model's activations and gradients, after the
                       policy's update (ppo.Critic.value_update)
     The per-token activation counts were measured on Llama and Qwen2 blocks with autograd's
-    saved-tensor hooks (fp32 and CPU bf16 autocast): docs/memory.md.
+    saved-tensor hooks (fp32 and CPU bf16 autocast): benchmarks/results/plan_check/README.md.
     """
     h, i, L, V = shape.hidden, shape.ffn, shape.layers, shape.vocab
     S = s.prompt_tokens + s.max_new_tokens                 # a sequence, prompt and completion
@@ -188,8 +188,9 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
     parts["activations"] = (tokens * (L * kept + one_block + 10 * h)
                             + (kv_copies if shared and not s.offload_activations else 0))
     rows = min(s.logprob_chunk, n * T) if s.logprob_chunk else n * T
-    # WHY 3.5 (measured: docs/memory.md): the fp32 logits kept for backward, and the (rows, V)
-    #      gradients of logsumexp, gather and the slice that backward makes, partly at once.
+    # WHY 3.5 (measured: benchmarks/results/memory/README.md): the fp32 logits kept for backward,
+    #      and the (rows, V) gradients of logsumexp, gather and the slice that backward makes,
+    #      partly at once.
     #      In chunks (memory._LinearLogp, a bias-free output layer as in Llama, Qwen and GPT-2)
     #      nothing is kept: a chunk's logits and the one tensor its gradient is built in.
     unit = rows * V * 4
@@ -482,4 +483,4 @@ the policy's size, from the model's config alone (no weights), and say whether e
                       --logprob-chunk, --micro-batch-size, --group-size, --prompts-per-step,
                       --max-new-tokens, --beta, --offload-activations, ...
 A card the plan says fits is a projection: planner.py says how it is counted and how it was
-checked (docs/memory.md)."""
+checked (docs/planner.md)."""
