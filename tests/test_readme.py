@@ -121,6 +121,91 @@ def test_every_readme_figure_is_in_what_its_section_cites():
     assert not missing, "not in the pages or results their section cites: " + "; ".join(missing)
 
 
+# --- every figure a docs page states is in a file the page names --------------------------------
+# NOTE: model names are not figures (Qwen2.5-0.5B, SmolLM2-135M, 7B): digits glued to a name
+MODEL_NAMES = re.compile(r"[A-Za-z][\w.]*\d[\w.]*(?:-[\d.]+[BMK]\b[\w-]*)*|\b[\d.]+ ?[BM]\b")
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def named_sources(page: Path, root: Path = ROOT) -> str:
+    """The text of every file a docs page names as its source: a path in backticks that exists in
+    the repository (a raw result, a script, the code that sets a default; every file in a folder)
+    or a link to a file outside docs/ (a notebook's committed outputs, a results README)."""
+    paths = re.findall(r"`(?:\.\./)?([\w./*-]+)`", page.read_text())
+    paths += [link.split("#")[0] for link in re.findall(r"\]\((\.\./[^)\s]+)\)", page.read_text())]
+    files = set()
+    for path in paths:
+        p = ((page.parent / path) if path.startswith("..") else root / path).resolve()
+        # NOTE: not outside the repository, not the whole of it, nothing hidden (.git, caches)
+        if (not p.is_relative_to(root) or p == root or "**" in path
+                or any(part.startswith(".") for part in p.relative_to(root).parts)):
+            continue
+        for q in (root.glob(path) if "*" in path else [p] if p.exists() else []):
+            files.update([q] if q.is_file() else (f for f in q.rglob("*") if f.is_file()))
+    docs = (root / "docs").resolve()
+    # WHY only the repository's files, and no docs page: a figure copied from page to page, or
+    #     found in some system file a page names (/proc/...), has no source
+    return "\n".join(f.read_text(errors="replace") for f in sorted(files)
+                      if docs not in f.resolve().parents)
+
+
+def untraced_figures(page: Path, root: Path = ROOT) -> list[str]:
+    """The figures on `page` that are in no file it names (named_sources): not as written, nor as
+    one of its numbers rounded to the figure's decimals (a share also as a percentage: 0.527 for
+    52.7%)."""
+    text = MODEL_NAMES.sub(" ", page.read_text())
+    for pattern in NOT_FIGURES:
+        text = pattern.sub(" ", text)
+    source = named_sources(page, root)
+    numbers = set()
+    for n in NUMBER.findall(source):
+        try:
+            numbers.add(float(n.replace(",", "")))
+        except ValueError:
+            pass
+    written = set(FIGURE.findall(source))
+    rounded, missing = {}, []                      # rounded: (decimals, percent) -> numbers
+    for m in FIGURE.finditer(text):
+        figure = m.group()
+        if figure in written:
+            continue
+        decimals = len(figure.split(".")[1]) if "." in figure else 0
+        value = float(figure.replace(",", ""))
+        found = False
+        for percent in (False, True) if text[m.end():m.end() + 1] == "%" else (False,):
+            if (decimals, percent) not in rounded:
+                rounded[decimals, percent] = {round(100 * x if percent else x, decimals)
+                                              for x in numbers}
+            found = found or value in rounded[decimals, percent]
+        if not found:
+            missing.append(figure)
+    return missing
+
+
+def test_every_docs_figure_is_in_a_file_its_page_names():
+    """A figure on a docs page (a decimal, a number with thousands separators, a percentage) must
+    be in a file that page names: a raw result under benchmarks/results/ (its README included,
+    where the history of a number is kept), a notebook's committed outputs, or the code that sets
+    a default; as written, or rounded from a number there. A figure edited on the page and not at
+    its source, or one with no source, fails here."""
+    missing = {page.name: untraced_figures(page) for page in sorted((ROOT / "docs").glob("*.md"))}
+    missing = {name: figs for name, figs in missing.items() if figs}
+    assert not missing, "figures with no source the page names: " + repr(missing)
+
+
+def test_the_docs_trace_fails_on_a_figure_with_no_source(tmp_path):
+    """The trace is not vacuous: a page that names a raw result traces what the result holds,
+    rounded too, and not a figure the result lacks, nor a model's name as a figure."""
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "r.json").write_text('{"ratio": 0.4663, "mb": 12972.9, "share": 0.527}')
+    page = tmp_path / "page.md"
+    page.write_text("Raw: `results/r.json`. Ours 0.47 of TRL's, 12,973 MB, 52.7% on Qwen2.5-0.5B; "
+                    "and 0.48, 13,000 MB.")
+    assert untraced_figures(page, tmp_path) == ["0.48", "13,000"]
+    page.write_text("No source named: 0.47 of TRL's.")
+    assert untraced_figures(page, tmp_path) == ["0.47"]
+
+
 def test_ci_runs_exactly_the_readmes_install_and_test_commands():
     """What CI installs is what the README tells a newcomer to install: every `pip install` and
     `python -m pytest` line of the README's Tests section stands in .ci/run (as `python3 -m ...`),
