@@ -316,3 +316,23 @@ def test_profile_preset_splits_a_runs_step_and_sets_it_beside_its_floors(tmp_pat
     assert [o["self_s"] for o in top] == sorted((o["self_s"] for o in top), reverse=True)
     assert 0 < sum(o["share"] for o in top) <= 1
     assert any(o["op"] in ("aten::mm", "aten::addmm", "aten::bmm") for o in top), top
+
+
+def test_test_times_sums_each_files_tests_and_seconds(tmp_path, capsys):
+    """benchmarks/test_times.py (docs/tests.md's table): per file, the JUnit cases, the slow ones
+    listed by --collect-only, and the seconds summed; a class's tests count to their file."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import test_times
+    (tmp_path / "j.xml").write_text(
+        '<testsuites><testsuite>'
+        '<testcase classname="tests.test_a" name="t1" time="1.25"/>'
+        '<testcase classname="tests.test_a.TestX" name="t2" time="2.5"><skipped/></testcase>'
+        '<testcase classname="tests.test_b" name="t3" time="0.5"/>'
+        '</testsuite></testsuites>')
+    (tmp_path / "slow.txt").write_text("tests/test_a.py::TestX::t2\n\n1/3 tests collected\n")
+    test_times.main([str(tmp_path / "j.xml"), str(tmp_path / "slow.txt")])
+    out = capsys.readouterr().out.splitlines()
+    assert out[2:5] == ["| `tests/test_a.py` | 2 | 1 | 3.8 |",
+                        "| `tests/test_b.py` | 1 | 0 | 0.5 |", "| all | 3 | 1 | 4.2 |"]
+    res = json.loads(out[-1])
+    assert res["outcomes"] == {"passed": 2, "skipped": 1} and res["seconds"] == 4.2
