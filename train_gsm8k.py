@@ -354,10 +354,12 @@ def policy_and_reference(tcfg: TrainConfig, gcfg: grpo.GRPOConfig, device: str, 
     # WHY after loading: building the warm start reseeds torch; LoRA's adapters draw from this.
     torch.manual_seed(tcfg.seed)
     random.seed(tcfg.seed)
-    if tcfg.lora_r:  # only the adapters train (lora.py); with --bf16 the frozen base is bf16
+    if tcfg.lora_r:  # only the adapters train (lora.py)
+        if tcfg.bf16:  # WHY: the frozen base is π_ref, stored as bf16_reference stores it
+            policy = precision.bf16_reference(policy)
         with flags.as_input_error(lora.LoRAError):
             policy = lora.add_adapters(policy, tcfg.lora_r, tcfg.lora_alpha,
-                                       tcfg.lora_target_modules, bf16_base=tcfg.bf16)
+                                       tcfg.lora_target_modules)
     # PAPER: the reference is the model GRPO starts from (a resumed run rebuilds it the same way).
     # WHY (memory): with LoRA, the base with adapters off: no copy. Under --bf16, its Linear
     #      weights in bf16, which autocast gives the same numbers (memory.bf16_reference).

@@ -284,7 +284,9 @@ def lora_step(device: str, config_path: str, group_size: int, prompts: int, n_to
     t = time.perf_counter()
     with torch.device(device):  # WHY: built in place, in bf16; no fp32 copy on the host first
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    policy = lora.add_adapters(model, r=16, alpha=32, bf16_base=True)
+    # NOTE: built whole in bf16, embedding and norms too, where train_gsm8k.py keeps them fp32
+    #       (precision.bf16_reference) and the plan counts them so: the plan is a little larger
+    policy = lora.add_adapters(model, r=16, alpha=32)
     engine.enable_activation_checkpointing(policy)
     policy.train()
     cfg = grpo.GRPOConfig(group_size=group_size, max_new_tokens=n_tokens,

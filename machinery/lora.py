@@ -49,22 +49,18 @@ def peft_module():
     return peft
 
 
-def add_adapters(model, r: int, alpha: float, targets: str = DEFAULT_TARGETS,
-                 bf16_base: bool = False):
+def add_adapters(model, r: int, alpha: float, targets: str = DEFAULT_TARGETS):
     """`model` with LoRA adapters of rank r on `targets` (comma-separated module names, or
-    'all-linear'); only the adapters train. PEFT scales each adapter's update by alpha / r.
-    bf16_base: store the frozen base's Linear weights in bf16 first, for bf16 autocast runs, as
-    precision.bf16_reference stores π_ref (which the base is): the embedding, the norms, the output
-    layer and so the residual stream stay fp32, and the base computes bit for bit what autocast
-    computes from the fp32 model. The adapters, the only weights AdamW updates, stay fp32 (PEFT's
+    'all-linear'); only the adapters train. PEFT scales each adapter's update by alpha / r. The
+    adapters, the only weights AdamW updates, are fp32 whatever the base's dtype (PEFT's
     autocast_adapter_dtype), so small updates survive.
+    NOTE: for a bf16 autocast run, store the base as π_ref is stored first (it is π_ref):
+          precision.bf16_reference(model), the blocks' Linear weights in bf16 and the embedding,
+          norms, output layer and so the residual stream fp32 (train_gsm8k.py does).
     WHY not the whole base in bf16: its residual stream is then bf16, and the sampler's token-by-
     token decoding and the trainer's one pass drift apart: over SmolLM2's first 3 steps, 4.8 to
-    6.7% of tokens >10% apart, against 1.5 to 1.8% this way (docs/real_model.md)."""
+    6.7% of tokens >10% apart, against 1.5 to 1.8% stored as π_ref (docs/real_model.md)."""
     peft = peft_module()
-    if bf16_base:
-        from machinery import precision  # NOTE: here, as precision imports engine, which imports us
-        model = precision.bf16_reference(model)
     names = targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
     # WHY dropout 0: dropout would make π_θ a random function at μ = 1 (grpo.disable_dropout).
     config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=names, lora_dropout=0.0,

@@ -150,7 +150,8 @@ def test_a_bf16_base_samples_unmerged_as_merging_would_drop_small_updates(name):
     from test_engine import sampler
     tok = tiny_world.char_tokenizer()
     policy = trained_adapters(lora.add_adapters(
-        tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0), 4, 8, bf16_base=True),
+        precision.bf16_reference(tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0)),
+        4, 8),
         scale=1e-4)
     assert not lora.merge_keeps_updates(policy)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -176,7 +177,7 @@ def test_bf16_base_keeps_fp32_adapters_and_residual_stream():
     for bit what autocast computes from the fp32 model: at step 1, sampler, trainer, π_ref agree."""
     tok = tiny_world.char_tokenizer()
     fp32 = precision.fp32_logits(tiny_world.tiny_llama(tok, hidden=32, layers=2, heads=2, seed=0))
-    policy = lora.add_adapters(copy.deepcopy(fp32), 4, 8, bf16_base=True)
+    policy = lora.add_adapters(precision.bf16_reference(copy.deepcopy(fp32)), 4, 8)
     dtypes = {p.dtype for n, p in policy.named_parameters() if "lora_" in n}
     linear = {n for n, m in policy.named_modules() if isinstance(m, torch.nn.Linear)}
     bf16 = {n for n, p in policy.named_parameters() if p.dtype == torch.bfloat16}

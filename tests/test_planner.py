@@ -127,7 +127,7 @@ def test_each_switch_moves_its_part():
     # + 3 * 64 * 256) = 131,072, in bf16; the tied embedding and the norms in fp32
     assert bf16["autocast copies"] > 0
     assert bf16["reference"] == base["parts"]["reference"] - 2 * 131_072
-    # a LoRA base under bf16 is π_ref, stored the same way (lora.add_adapters(bf16_base=True))
+    # a LoRA base under bf16 is π_ref, stored the same way (precision.bf16_reference)
     lora16 = planner.step_memory(shape, replace(s, bf16=True, lora_r=4))["parts"]
     assert lora16["weights"] == lora_["weights"] - 2 * 131_072
     two = planner.step_memory(shape, replace(s, micro_batch_size=2))
