@@ -8,6 +8,7 @@ Needs: nothing beyond the standard library. CPU, offline, under a second.
 
 import ast
 import io
+import re
 import tokenize
 from pathlib import Path
 
@@ -262,6 +263,18 @@ def test_the_checked_files_leave_out_hidden_folders_and_virtual_environments(tmp
 
 def test_the_front_page_stays_short():
     assert len((ROOT / "README.md").read_text()) <= 15_000
+
+
+def test_each_docs_page_is_read_in_one_sitting_and_opens_with_its_answer():
+    """Each page under docs/ but the reference.md lookup table is under 1,500 words, and within
+    its first 40 lines shows a table, a command or a list: a reader who stops after the first
+    screen has what they came for."""
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        text = page.read_text()
+        if page.name != "reference.md":
+            assert len(text.split()) < 1500, (page.name, len(text.split()))
+        first = text.splitlines()[:40]
+        assert any(re.match(r"\||```|    \S|- |\d+\. ", line) for line in first), page.name
 
 
 @pytest.mark.parametrize(
