@@ -16,9 +16,8 @@ What each buys, measured (docs/memory.md, benchmarks/results/memory/README.md; t
 Xeon CPU, torch 2.13, at Qwen2.5-0.5B's architecture unless stated): chunks keep at most `chunk`
 tokens' logits, where one 512-token completion's are 311 MB at Qwen's vocabulary; lean
 activations keep 2 i + 2 h fewer floats a token and block (0.45 GB for 1,000 tokens without
-checkpointing); the update inside backward never holds
-the whole model's gradients at once, for a second backward pass; offloading pays only on a GPU
-(a projection there: no GPU has measured it).
+checkpointing); the update inside backward never holds the whole model's gradients at once, for
+a second backward pass; offloading pays only on a GPU (a projection there: no GPU has measured it).
 
 WHY chunks: the plain grpo.token_logprobs materialises a micro-batch's logits, (n, T, V) in fp32,
 keeps them for backward and builds their gradient, as large again. At Qwen's 151,936-entry

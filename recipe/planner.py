@@ -154,8 +154,9 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
     # NOTE: under bf16, π_ref (and a LoRA base, which is π_ref) stores the blocks' Linear weights
     #       in bf16, the output layer, the embedding and the norms in fp32 (bf16_reference)
     bf16_saved = 2 * (shape.linear_params - (shape.head_params or shape.embed_params))
+    base_saved = bf16_saved if (s.lora_r and s.bf16) else 0    # the policy's (and critic's) base
     parts = {
-        "weights": shape.params * 4 - (bf16_saved if (s.lora_r and s.bf16) else 0) + lora_p * 4,
+        "weights": shape.params * 4 - base_saved + lora_p * 4,
         "gradients": trainable * 4,
         "optimizer": trainable * 8,                        # AdamW: exp_avg, exp_avg_sq in fp32
         # WHY 0 with LoRA: π_ref is the base, adapters off (lora.AdaptersOff)
@@ -209,8 +210,7 @@ def step_memory(shape: ModelShape, s: StepSettings, critic: bool = False) -> dic
     if critic:  # NOTE: PPO: a value model the policy's size, a scalar head for the output layer
         c_params = shape.params - shape.head_params + h
         c_trainable = lora_p + h if s.lora_r else c_params
-        parts.update({"critic weights": c_params * 4 - (bf16_saved if (s.lora_r and s.bf16)
-                                                          else 0) + lora_p * 4,
+        parts.update({"critic weights": c_params * 4 - base_saved + lora_p * 4,
                       "critic gradients": c_trainable * 4, "critic optimizer": c_trainable * 8,
                       "critic autocast copies": parts["autocast copies"],
                       "critic activations": parts["activations"]})  # the same blocks, no logits

@@ -97,10 +97,15 @@ def cited_text(section: str) -> str:
     return "\n".join(texts)
 
 
-def figures(section: str) -> list[str]:
+def without_non_figures(text: str) -> str:
+    """`text` with what is not a figure blanked out: commands, code, link targets, versions."""
     for pattern in NOT_FIGURES:
-        section = pattern.sub(" ", section)
-    return FIGURE.findall(section)
+        text = pattern.sub(" ", text)
+    return text
+
+
+def figures(section: str) -> list[str]:
+    return FIGURE.findall(without_non_figures(section))
 
 
 def test_every_readme_figure_is_in_what_its_section_cites():
@@ -131,8 +136,9 @@ def named_sources(page: Path, root: Path = ROOT) -> str:
     """The text of every file a docs page names as its source: a path in backticks that exists in
     the repository (a raw result, a script, the code that sets a default; every file in a folder)
     or a link to a file outside docs/ (a notebook's committed outputs, a results README)."""
-    paths = re.findall(r"`(?:\.\./)?([\w./*-]+)`", page.read_text())
-    paths += [link.split("#")[0] for link in re.findall(r"\]\((\.\./[^)\s]+)\)", page.read_text())]
+    text = page.read_text()
+    paths = re.findall(r"`(?:\.\./)?([\w./*-]+)`", text)
+    paths += [link.split("#")[0] for link in re.findall(r"\]\((\.\./[^)\s]+)\)", text)]
     files = set()
     for path in paths:
         p = ((page.parent / path) if path.startswith("..") else root / path).resolve()
@@ -153,9 +159,7 @@ def untraced_figures(page: Path, root: Path = ROOT) -> list[str]:
     """The figures on `page` that are in no file it names (named_sources): not as written, nor as
     one of its numbers rounded to the figure's decimals (a share also as a percentage: 0.527 for
     52.7%)."""
-    text = MODEL_NAMES.sub(" ", page.read_text())
-    for pattern in NOT_FIGURES:
-        text = pattern.sub(" ", text)
+    text = without_non_figures(MODEL_NAMES.sub(" ", page.read_text()))
     source = named_sources(page, root)
     numbers = set()
     for n in NUMBER.findall(source):
