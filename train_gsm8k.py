@@ -186,6 +186,7 @@ PRESETS = {
         "bf16": True,                         # this CPU's bf16 matmuls run at 2.2x fp32's
         "logprob_chunk": 0,                   # each prompt scored once (chunks score it G times)
         "keep_freed_memory": True,            # a step's logits reuse freed memory, no page faults
+        "draw": "inverse-cdf",                # N random numbers a token, not N x 49,152
     },
 }
 
@@ -198,7 +199,7 @@ def preset_for(model: str) -> str:
 # With --resume, the run keeps its settings; only these may change (none alters the math).
 RESUME_MAY_CHANGE = {"resume", "steps", "save_every", "sample_every", "threads", "device",
                      "eval_batch_size", "max_bad_steps", "compile", "sampler", "merge_adapters",
-                     "eval_every", "report_to"}
+                     "draw", "eval_every", "report_to"}
 # The flags' dataclasses: (class, its key in a checkpoint's state, its --help section)
 CONFIGS = [(TrainConfig, "train_config", "run"),
            (grpo.GRPOConfig, "grpo_config", "GRPO (grpo.GRPOConfig)"),

@@ -211,6 +211,94 @@ def test_the_engines_whole_step_lands_where_the_pages_does(tiny):
         torch.testing.assert_close(w_fast[k], w_slow[k], atol=1e-4, rtol=1e-4)
 
 
+# --- --draw inverse-cdf: the same distribution, drawn from N numbers, not N x V -------------------
+def slow_inverse_cdf(logits, temperature, seed):
+    """The obvious inverse transform, one row at a time in Python floats: u ~ U[0, 1) from the same
+    generator, then walk the tokens, summing softmax(logits / temperature), to the first whose
+    running sum exceeds u times the row's total."""
+    torch.manual_seed(seed)
+    u = torch.rand(logits.shape[0], 1, dtype=torch.float64)                      # (N, 1)
+    probs = torch.softmax(logits / temperature, -1).tolist()
+    ids = []
+    for row, (r,) in zip(probs, u.tolist()):
+        target, running = r * sum(row), 0.0
+        ids.append(next(i for i, p in enumerate(row) if (running := running + p) > target))
+    return torch.tensor(ids)
+
+
+def test_inverse_cdf_draws_the_slow_walks_tokens_and_draw_tokens_log_probs():
+    """draw_by_inverse_cdf against slow_inverse_cdf token for token, 64 rows of a 300-token
+    vocabulary; its log-probs are grpo.draw_tokens' formula for the same tokens; a finished row
+    gets the pad and an EOS ends its row; greedy is grpo.draw_tokens' argmax."""
+    torch.manual_seed(1)
+    logits, eos, pad = 3 * torch.randn(64, 300), torch.tensor([7]), 0                # (N, V)
+    done = torch.zeros(64, dtype=torch.bool)
+    done[:4] = True
+    kw = dict(eos=eos, pad_id=pad, temperature=0.7, greedy=False)
+    torch.manual_seed(5)
+    ids, now_done, logp = engine.draw_by_inverse_cdf(logits, 0, done, **kw)
+    slow = slow_inverse_cdf(logits, 0.7, seed=5)
+    assert torch.equal(ids[4:], slow[4:]) and (ids[:4] == pad).all()
+    assert len(set(ids.tolist())) > 20  # drawn, not one token
+    scaled = logits / 0.7
+    expected = scaled.gather(-1, ids[:, None]).squeeze(1) - scaled.logsumexp(-1)
+    torch.testing.assert_close(logp, expected, atol=1e-6, rtol=0)
+    assert torch.equal(now_done, done | (ids == 7))
+    logits[10, 7] = 100.0  # row 10 must draw the EOS now
+    assert engine.draw_by_inverse_cdf(logits, 0, done, **kw)[1][10]
+    greedy = engine.draw_by_inverse_cdf(logits, 0, done, **{**kw, "greedy": True})
+    for a, b in zip(greedy, grpo.draw_tokens(logits, 0, done, **{**kw, "greedy": True})):
+        assert torch.equal(a, b)
+
+
+def test_inverse_cdf_draws_the_policys_distribution_and_never_a_zero_probability_token():
+    """40,000 draws from one distribution of 6 tokens, one of them impossible (logit -inf), one
+    rare (p ~ 0.002): each token's frequency lies within 5 standard errors of its probability,
+    and the impossible one is never drawn, not even where the uniform draw is exactly 0."""
+    logits = torch.tensor([2.0, 0.0, -float("inf"), 1.0, -4.0, 0.5]).repeat(40_000, 1)
+    done, kw = torch.zeros(40_000, dtype=torch.bool), dict(eos=torch.tensor([99]), pad_id=0,
+                                                          temperature=1.0, greedy=False)
+    torch.manual_seed(0)
+    ids = engine.draw_by_inverse_cdf(logits, 0, done, **kw)[0]
+    p = torch.softmax(logits[0], -1)
+    freq = torch.bincount(ids, minlength=6).double() / len(ids)
+    se = (p * (1 - p) / len(ids)).sqrt()
+    assert ((freq - p).abs() <= 5 * se + 1e-12).all(), (freq, p)
+    assert freq[2] == 0 and freq[4] > 0
+    zero = torch.zeros(2, 1, dtype=torch.float64)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch, "rand", lambda *a, **k: zero)
+        ids = engine.draw_by_inverse_cdf(torch.tensor([[-float("inf"), 0.0, 1.0]] * 2), 0,
+                                         done[:2], **kw)[0]
+    assert (ids == 1).all()
+
+
+def test_the_engine_samples_by_inverse_cdf_from_the_distribution_the_loss_scores(tiny):
+    """EngineConfig(draw="inverse-cdf") through grpo.sample_completions: other tokens than
+    multinomial's from the same seed, and each sampled log-prob is token_logprobs' for its token
+    (the sampler draws from the distribution the loss scores). Anything but grpo.draw_tokens as
+    `pick` is refused in one line."""
+    tok, model = tiny
+    cfg = grpo.GRPOConfig(group_size=4, max_new_tokens=16, temperature=0.7)
+    eos, pad = grpo.eos_token_ids(model, tok), grpo.pad_token_id(model, tok)
+    batches = {}
+    for draw in ("multinomial", "inverse-cdf"):
+        seams = engine.apply(engine.EngineConfig(draw=draw), grpo.Seams(), eos, pad)
+        torch.manual_seed(0)
+        batches[draw] = grpo.sample_completions(model, tok, PROMPTS, cfg, sample=seams.sample)
+    b = batches["inverse-cdf"]
+    assert not torch.equal(b["completion_ids"], batches["multinomial"]["completion_ids"])
+    ours = grpo.token_logprobs(model, b["prompt_ids"], b["prompt_mask"], b["completion_ids"],
+                               b["completion_mask"], temperature=0.7)
+    m = b["completion_mask"].bool()
+    torch.testing.assert_close(b["sampler_logp"][m], ours[m], atol=1e-5, rtol=1e-5)
+    with pytest.raises(TypeError, match="replaces grpo.draw_tokens"):
+        engine.drawn_by_inverse_cdf(engine.decode)(model, b["prompt_ids"], b["prompt_mask"], 2, 4,
+                                                   lambda logits, t, done: None)
+    with pytest.raises(ValueError, match="draw must be"):
+        engine.EngineConfig(draw="gumbel")
+
+
 # --- the engine's shortcuts, pinned ---------------------------------------------------------------
 def test_ready_4d_mask_only_for_full_sdpa_attention(tiny):
     """The 4D-mask shortcut is for SDPA with full attention only; a sliding window or eager kernel
