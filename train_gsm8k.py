@@ -187,6 +187,7 @@ PRESETS = {
         "logprob_chunk": 0,                   # each prompt scored once (chunks score it G times)
         "keep_freed_memory": True,            # a step's logits reuse freed memory, no page faults
         "draw": "inverse-cdf",                # N random numbers a token, not N x 49,152
+        "skip_pads": True,                    # no output layer at the pads after each EOS
     },
 }
 

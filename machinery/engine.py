@@ -16,12 +16,14 @@ What this is
       - the transformers-version probes that all this needs;
       - a compiled decode step over a static KV cache (decode_compiled, EngineConfig.sampler);
       - each distinct prompt scored once, its G completions after its KV cache (shared_logits);
-      - at most EngineConfig.sample_batch_size rows decoded at a time (in_batches).
+      - at most EngineConfig.sample_batch_size rows decoded at a time (in_batches);
+      - with EngineConfig.draw "inverse-cdf", each token drawn from N random numbers, not N x V.
     The distribution is not defined here: `pick` is grpo.draw_tokens (temperature, greedy), handed
-    in by grpo.sample_completions. tests/test_engine.py checks that decode draws exactly the tokens
-    of grpo.decode and of transformers' generate() from the same seed, that every decode step's
-    logits equal one uncached forward pass, and that shared_logits gives grpo.token_logprobs'
-    log-probs and gradient within float tolerance.
+    in by grpo.sample_completions (draw_by_inverse_cdf draws from it by other means).
+    tests/test_engine.py checks that decode draws exactly the tokens of grpo.decode and of
+    transformers' generate() from the same seed, that every decode step's logits equal one
+    uncached forward pass, that shared_logits gives grpo.token_logprobs' log-probs and gradient
+    within float tolerance, and draw_by_inverse_cdf against a slow walk, token for token.
 
 What it buys, measured (docs/speed.md, the 2-core Intel Xeon CPU, torch 2.13): the quick start
 (`python train_gsm8k.py`) took a median of 1.43 s a step with it and 2.09 s with --plain (the same
@@ -37,6 +39,7 @@ V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import inspect
@@ -75,6 +78,11 @@ class EngineConfig:
     """With LoRA: sample from the adapters merged into the weights (lora.merged_weights), one
     product a layer, not PEFT's three; the base weights are put back untouched after each call.
     The same distribution, the same tokens to float rounding (docs/real_model.md: what it buys)."""
+    skip_pads: bool = False
+    """With share_prompts: the output layer and the log-softmax only at completion tokens, not at
+    the pads after each EOS (shared_token_logprobs): the same log-probs at every token to float
+    rounding, 0 at the pads, which every loss term masks. What it saves: (pads/tokens) of the
+    three (N, T, V) output-layer passes a step, ~40% at the smollm2-135m preset's lengths."""
     draw: Literal["multinomial", "inverse-cdf"] = "multinomial"
     """How a token is drawn from grpo.draw_tokens's distribution: 'multinomial', torch.multinomial
     as grpo.py draws it (the same tokens as --plain); 'inverse-cdf', one uniform number a row
@@ -106,8 +114,10 @@ def apply(cfg: EngineConfig, seams: grpo.Seams, eos_ids: list[int], pad_id: int)
         sample = drawn_by_inverse_cdf(sample)
     if cfg.merge_adapters:  # NOTE: outermost, so that a step merges once for all its batches
         sample = lora.sample_merged(sample)
-    return replace(seams, sample=sample,
-                   score=shared_token_logprobs if cfg.share_prompts else seams.score)
+    score = seams.score
+    if cfg.share_prompts:
+        score = functools.partial(shared_token_logprobs, skip_pads=cfg.skip_pads)
+    return replace(seams, sample=sample, score=score)
 
 
 def base_model(model):
@@ -617,12 +627,13 @@ def share_blocker(model) -> str | None:
     return None
 
 
-def shared_logits(model, input_ids, attention_mask, T: int):
+def shared_logits(model, input_ids, attention_mask, T: int, keep=None):
     """The logits that predict each of the last T tokens, (n, T, V), as grpo.token_logprobs' one
     forward over (n, P+T) left-padded prompts and completions computes them, but with each
     distinct prompt run once; None where that would not help (no prompt repeats) or cannot run
     (share_blocker). Rows share a prompt when they are neighbours with equal prompt ids and masks,
-    as sample_completions lays out a group."""
+    as sample_completions lays out a group. keep (n, T) bool: only the logits where it is True,
+    (k, V) in row-major order (output_layer_at)."""
     P = input_ids.shape[1] - T
     prompt_ids, prompt_mask = input_ids[:, :P], attention_mask[:, :P]                # (n, P)
     new = torch.ones(len(input_ids), dtype=torch.bool, device=input_ids.device)      # (n,)
@@ -645,23 +656,58 @@ def shared_logits(model, input_ids, attention_mask, T: int):
     # nothing), after the cached prompt.
     seen = attention_mask[:, :-1]                                                    # (n, P+T-1)
     positions = (seen.cumsum(1) - 1).clamp(min=0)[:, P - 1:]                         # (n, T)
-    return model(input_ids=input_ids[:, P - 1:-1], attention_mask=seen, position_ids=positions,
-                 cache=cache, use_cache=True).logits                                 # (n, T, V)
+    with output_layer_at(model, keep):
+        return model(input_ids=input_ids[:, P - 1:-1], attention_mask=seen, use_cache=True,
+                     position_ids=positions, cache=cache).logits          # (n, T, V) or (k, V)
+
+
+@contextlib.contextmanager
+def output_layer_at(model, keep):
+    """Inside: the model's output layer reads only the positions where keep (n, T) is True, so a
+    forward over (n, T) tokens returns logits (k, V), k = keep.sum(), in row-major order. keep
+    None: every position, as outside.
+    WHY a hook on the output layer: the transformer still runs every position (attention needs
+    them), but the (n, T, V) product and what follows it are most of a small model's pass at a
+    49,152-token vocabulary; a LoRA π_ref (lora.AdaptersOff) shares the policy's output layer."""
+    if keep is None:
+        yield
+        return
+    head = base_model(model).get_output_embeddings()
+    hook = head.register_forward_pre_hook(lambda _, args: (args[0][keep],))      # (k, H)
+    try:
+        yield
+    finally:
+        hook.remove()
 
 
 def shared_token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                          temperature: float = 1.0, with_entropy: bool = False):
+                          temperature: float = 1.0, with_entropy: bool = False, *,
+                          skip_pads: bool = False):
     """grpo.token_logprobs with each distinct prompt run once (shared_logits): the same arguments,
     the same results to float rounding. Where shared_logits steps aside, grpo.token_logprobs runs.
-    (n, P), (n, T) -> logp (n, T) [, entropy (n, T)]."""
+    (n, P), (n, T) -> logp (n, T) [, entropy (n, T)]. skip_pads: the output layer and the
+    log-softmax only where completion_mask is 1; logp and entropy are 0 at the pads."""
     T = completion_ids.shape[1]
     input_ids, attention_mask, _ = grpo.joined_sequences(prompt_ids, prompt_mask, completion_ids,
                                                          completion_mask)             # (n, P+T)
-    logits = shared_logits(model, input_ids, attention_mask, T)                  # (n, T, V) or None
+    keep = completion_mask.bool() if skip_pads else None                          # (n, T) or None
+    logits = shared_logits(model, input_ids, attention_mask, T, keep)       # (n|k, [T,] V) or None
     if logits is None:
         return grpo.token_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                    temperature, with_entropy)
-    return grpo.logprobs_of(logits, completion_ids, temperature, with_entropy)
+    if keep is None:
+        return grpo.logprobs_of(logits, completion_ids, temperature, with_entropy)
+    # One completion at a time, as grpo.logprobs_of would see it unpadded: (1, |o_i|, V) each.
+    counts = keep.sum(1).tolist()
+    scored = [grpo.logprobs_of(rows[None], ids[None], temperature, with_entropy)  # (1, |o_i|)
+              for rows, ids in zip(logits.split(counts), completion_ids[keep].split(counts))]
+    if not with_entropy:
+        scored = [(logp,) for logp in scored]
+    # Back to (n, T), 0 at the pads.
+    out = [torch.zeros(keep.shape, dtype=part[0].dtype, device=keep.device)
+           .masked_scatter(keep, torch.cat(part, dim=1))                          # (n, T)
+           for part in zip(*scored)]
+    return out[0] if not with_entropy else tuple(out)
 
 
 AUTO_COMPILE_DECODE_STEPS = 100_000

@@ -9,6 +9,7 @@ Needs: torch and transformers only (tiny random models built in memory). CPU, of
 """
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -195,13 +196,16 @@ def test_a_whole_grpo_step_is_the_same_with_either_sampler(tiny):
     assert all(torch.equal(w_fast[k], w_slow[k]) for k in w_fast)
 
 
-def test_the_engines_whole_step_lands_where_the_pages_does(tiny):
+@pytest.mark.parametrize("skip_pads", [False, True])
+def test_the_engines_whole_step_lands_where_the_pages_does(tiny, skip_pads):
     """train_gsm8k.py's default machinery (engine.apply: the fast sampler and each prompt scored
-    once) against the page alone, one grpo_step from the same seed and weights: the same samples,
-    and every metric and updated weight within float tolerance (the shared prompt pass sums the
-    same products in another order)."""
+    once; and with --skip-pads, the output layer only at completion tokens) against the page
+    alone, one grpo_step from the same seed and weights: the same samples, and every metric and
+    updated weight within float tolerance (the shared prompt pass sums the same products in
+    another order)."""
     tok, base = tiny
-    (fast, w_fast, _), (slow, w_slow, _) = one_step(base, tok, "engine"), one_step(base, tok, None)
+    fast, w_fast, _ = one_step(base, tok, "engine", skip_pads=skip_pads)
+    slow, w_slow, _ = one_step(base, tok, None)
     assert [s["completion"] for s in fast["samples"]] == [s["completion"] for s in slow["samples"]]
     assert slow["reward_std"] > 0 and slow["grad_norm"] > 0
     for key in ("loss", "kl", "entropy", "grad_norm", "reward"):
@@ -667,14 +671,17 @@ def embedded_tokens(model):
     return seen
 
 
+@pytest.mark.parametrize("skip_pads", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "llama-eager", "gpt2", "qwen2"])
-def test_scoring_each_prompt_once_gives_the_whole_sequences_logprobs_and_gradient(tiny, arch):
+def test_scoring_each_prompt_once_gives_the_whole_sequences_logprobs_and_gradient(tiny, arch,
+                                                                                 skip_pads):
     """engine.shared_token_logprobs runs each of the 3 distinct prompts once and only the
     completions per row: the embedding sees 3 x (P-1) + 9 x T token ids instead of 9 x (P+T).
-    Its log-probs and entropies (every position, before and after EOS) and the gradient of a
-    masked, weighted sum of them equal the whole-sequence forward's within float tolerance (the
-    same sums, in another order), on SDPA and eager attention, GPT-2's absolute positions and
-    Qwen2's grouped-query attention with q/k/v biases."""
+    Its log-probs and entropies (every position, before and after EOS; with skip_pads, every
+    completion token, and 0 at the pads, where the output layer saw only the k kept positions)
+    and the gradient of a masked, weighted sum of them equal the whole-sequence forward's within
+    float tolerance (the same sums, in another order), on SDPA and eager attention, GPT-2's
+    absolute positions and Qwen2's grouped-query attention with q/k/v biases."""
     tok = tiny[0]
     model = copy.deepcopy(tiny_world.tiny_qwen2(tok) if arch == "qwen2" else model_for(arch, tiny))
     assert engine.share_blocker(model) is None
@@ -682,18 +689,28 @@ def test_scoring_each_prompt_once_gives_the_whole_sequences_logprobs_and_gradien
     (n, P), T = prompt_ids.shape, ids.shape[1]
     weights = torch.linspace(-1, 2, n * T).reshape(n, T) * mask                      # (n, T)
     seen = embedded_tokens(model)
+    heads = []
+    model.get_output_embeddings().register_forward_hook(lambda m, a, out: heads.append(out.shape))
     results = {}
     for share in (False, True):
         seen.clear()
         model.zero_grad()
-        score = engine.shared_token_logprobs if share else grpo.token_logprobs
+        score = (functools.partial(engine.shared_token_logprobs, skip_pads=skip_pads) if share
+                 else grpo.token_logprobs)
         logp, entropy = score(model, prompt_ids, prompt_mask, ids, mask, 0.7, True)
         (logp * weights).sum().backward()
         results[share] = (logp.detach(), entropy, [p.grad.clone() for p in model.parameters()],
                           sum(seen))
     assert results[False][3] == n * (P + T) and results[True][3] == 3 * (P - 1) + n * T
-    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(results[True][1], results[False][1], atol=1e-5, rtol=1e-5)
+    k = int(mask.sum())
+    assert (heads[-1][:-1] == (k,)) == skip_pads and 0 < k < n * T  # the pads were skipped
+    keep = mask.bool() if skip_pads else torch.ones_like(mask, dtype=torch.bool)
+    for shared, whole in zip(results[True][:2], results[False][:2]):
+        torch.testing.assert_close(shared[keep], whole[keep], atol=1e-5, rtol=1e-5)
+        assert (shared[~keep] == 0).all()
+    # the hook is gone: the next forward's output layer sees every position again
+    model(input_ids=ids, attention_mask=mask)
+    assert heads[-1] == (n, T, len(tok))
     for shared, whole in zip(results[True][2], results[False][2]):
         torch.testing.assert_close(shared, whole, atol=1e-6, rtol=1e-4)
     assert any(g.abs().sum() > 0 for g in results[False][2])
@@ -728,7 +745,8 @@ def test_scoring_each_prompt_once_steps_aside_where_it_cannot_help_or_run(tiny):
     assert engine.shared_logits(sliding, whole_ids, whole_mask, T) is None
 
 
-def test_a_frozen_reference_scores_shared_prompts_bit_for_bit_as_the_policy(tiny):
+@pytest.mark.parametrize("skip_pads", [False, True])
+def test_a_frozen_reference_scores_shared_prompts_bit_for_bit_as_the_policy(tiny, skip_pads):
     """At step 1 π_ref is a frozen copy of π_θ, and with every advantage 0 the update must be
     exactly 0: the KL term's gradient is 0 only if log π_ref equals log π_θ bit for bit. With
     shared prompts, a frozen copy (weights without gradients, eval mode, no_grad) scores exactly
@@ -738,9 +756,10 @@ def test_a_frozen_reference_scores_shared_prompts_bit_for_bit_as_the_policy(tiny
     tok = tiny[0]
     policy = grpo.disable_dropout(copy.deepcopy(tiny[1])).train()
     inputs = scored_batch(tok)
-    logp, _ = engine.shared_token_logprobs(policy, *inputs, 1.0, True)
+    logp, _ = engine.shared_token_logprobs(policy, *inputs, 1.0, True, skip_pads=skip_pads)
     with torch.no_grad():
-        ref = engine.shared_token_logprobs(grpo.make_reference(policy), *inputs, 1.0, False)
+        ref = engine.shared_token_logprobs(grpo.make_reference(policy), *inputs, 1.0, False,
+                                           skip_pads=skip_pads)
     assert torch.equal(logp, ref)
 
 
