@@ -15,7 +15,8 @@ What this is
         causal mask at every token;
       - the transformers-version probes that all this needs;
       - a compiled decode step over a static KV cache (decode_compiled, EngineConfig.sampler);
-      - each distinct prompt scored once, its G completions after its KV cache (shared_logits);
+      - each distinct prompt scored once, its G completions after its KV cache (shared_logits),
+        and with EngineConfig.skip_pads the output layer only at completion tokens;
       - at most EngineConfig.sample_batch_size rows decoded at a time (in_batches);
       - with EngineConfig.draw "inverse-cdf", each token drawn from N random numbers, not N x V.
     The distribution is not defined here: `pick` is grpo.draw_tokens (temperature, greedy), handed
@@ -81,13 +82,13 @@ class EngineConfig:
     skip_pads: bool = False
     """With share_prompts: the output layer and the log-softmax only at completion tokens, not at
     the pads after each EOS (shared_token_logprobs): the same log-probs at every token to float
-    rounding, 0 at the pads, which every loss term masks. What it saves: (pads/tokens) of the
-    three (N, T, V) output-layer passes a step, ~40% at the smollm2-135m preset's lengths."""
+    rounding, 0 at the pads, which every loss term masks. What it saves: the pads' share of the
+    (N, T, V) output-layer passes of a step and what follows them (docs/real_model.md)."""
     draw: Literal["multinomial", "inverse-cdf"] = "multinomial"
     """How a token is drawn from grpo.draw_tokens's distribution: 'multinomial', torch.multinomial
     as grpo.py draws it (the same tokens as --plain); 'inverse-cdf', one uniform number a row
     against the cumulative probabilities (draw_by_inverse_cdf): the same distribution, other
-    draws from the same seed, ~10 ms a token against ~70 at SmolLM2's 49,152-token vocabulary."""
+    draws from the same seed, and N random numbers a token, not N x V (docs/real_model.md)."""
     min_new_tokens: int = 0
     """Force at least this many new tokens (0 = off). Only for benchmarks that need equal work
     (benchmarks/vs_trl.py sets it to max_new_tokens on both sides). It changes the distribution."""
@@ -349,8 +350,8 @@ def draw_by_inverse_cdf(logits, t, done, *, eos, pad_id, temperature, greedy):
     distribution, other tokens from the same seed. Row i draws u ~ U[0, 1) and takes the first
     token whose cumulative probability exceeds u: softmax(logits / temperature), float64 sums.
     WHY (speed): torch.multinomial draws one exponential number for every token of the vocabulary
-         (an (N, V) exponential_), 68 ms a call for 64 rows of SmolLM2's 49,152 tokens on 2 cores
-         (docs/real_model.md): 6 s of a step's 96 tokens. This draws N numbers; ~10 ms a call.
+         (an (N, V) exponential_): at SmolLM2's 49,152 tokens, 10% of the smollm2-135m preset's
+         step under torch.profiler (docs/real_model.md). This draws N numbers.
     NOTE: float64 cumulative sums, so no token is lost to rounding (float32 sums near 1 drop any
           p under ~6e-8); right=True, so a zero-probability token is never drawn."""
     if greedy:
