@@ -83,7 +83,8 @@ class EngineConfig:
     """With share_prompts: the output layer and the log-softmax only at completion tokens, not at
     the pads after each EOS (shared_token_logprobs): the same log-probs at every token to float
     rounding, 0 at the pads, which every loss term masks. What it saves: the pads' share of the
-    (N, T, V) output-layer passes of a step and what follows them (docs/real_model.md)."""
+    (N, T, V) output-layer passes of a step and what follows them (docs/real_model.md). Not with
+    --logprob-chunk, whose scorer replaces this one."""
     draw: Literal["multinomial", "inverse-cdf"] = "multinomial"
     """How a token is drawn from grpo.draw_tokens's distribution: 'multinomial', torch.multinomial
     as grpo.py draws it (the same tokens as --plain); 'inverse-cdf', one uniform number a row
@@ -700,15 +701,23 @@ def shared_token_logprobs(model, prompt_ids, prompt_mask, completion_ids, comple
         return grpo.logprobs_of(logits, completion_ids, temperature, with_entropy)
     # One completion at a time, as grpo.logprobs_of would see it unpadded: (1, |o_i|, V) each.
     counts = keep.sum(1).tolist()
-    scored = [grpo.logprobs_of(rows[None], ids[None], temperature, with_entropy)  # (1, |o_i|)
-              for rows, ids in zip(logits.split(counts), completion_ids[keep].split(counts))]
-    if not with_entropy:
-        scored = [(logp,) for logp in scored]
-    # Back to (n, T), 0 at the pads.
-    out = [torch.zeros(keep.shape, dtype=part[0].dtype, device=keep.device)
-           .masked_scatter(keep, torch.cat(part, dim=1))                          # (n, T)
-           for part in zip(*scored)]
-    return out[0] if not with_entropy else tuple(out)
+    logps, entropies = [], []
+    for rows, ids in zip(logits.split(counts), completion_ids[keep].split(counts)):
+        scored = grpo.logprobs_of(rows[None], ids[None], temperature, with_entropy)  # (1, |o_i|)
+        if with_entropy:
+            logps.append(scored[0])
+            entropies.append(scored[1])
+        else:
+            logps.append(scored)
+    logp = padded(keep, logps)                                                    # (n, T)
+    return (logp, padded(keep, entropies)) if with_entropy else logp
+
+
+def padded(keep, pieces):
+    """One (1, |o_i|) piece a row, in order -> (n, T), the pieces where keep (n, T) is True, 0
+    elsewhere (the pads)."""
+    zeros = torch.zeros(keep.shape, dtype=pieces[0].dtype, device=keep.device)      # (n, T)
+    return zeros.masked_scatter(keep, torch.cat(pieces, dim=1))                      # (n, T)
 
 
 AUTO_COMPILE_DECODE_STEPS = 100_000
